@@ -1,0 +1,22 @@
+# ringllm: `make serve` and `make test` are the whole Quickstart; both set up .venv on first use.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PORT   ?= 8000
+
+.PHONY: venv test bench-transport
+
+venv: $(VENV)/.installed
+
+# Re-run the install whenever pyproject.toml changes; the stamp makes it idempotent.
+$(VENV)/.installed: pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+bench-transport: venv
+	$(PY) -m benchmarks.transport

@@ -1,0 +1,1 @@
+"""Actor processes of the pipeline and the supervisor that owns their lives."""

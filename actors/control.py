@@ -1,0 +1,116 @@
+"""The supervisor's table in shared memory: the current epoch and one row per actor.
+
+Actors write their own heartbeat and state; the supervisor writes everything else. Each field is
+an aligned 8- or 4-byte word, so a concurrent reader (`ringllm status`) never sees it torn.
+Heartbeats are CLOCK_MONOTONIC seconds, one clock for every process on the machine.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from enum import IntEnum
+
+import numpy as np
+import orjson
+
+from actors.topology import Topology, control_segment_name
+from transport.segment import Segment
+
+MAGIC = 0x52494E4743544C31  # "RINGCTL1"
+_NAMES_BYTES = 16 << 10
+_HEADER = np.dtype([("magic", "<u8"), ("supervisor_pid", "<i8"), ("epoch", "<u8"), ("names_len", "<u8")])
+SLOT = np.dtype(
+    [
+        ("pid", "<i8"),
+        ("epoch", "<u8"),
+        ("restarts", "<u8"),
+        ("heartbeat", "<f8"),
+        ("state", "<u4"),
+        ("stop", "<u4"),
+    ]
+)
+STATUS_KEYS = ("name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s")
+
+
+class ActorState(IntEnum):
+    STARTING = 0
+    READY = 1
+    STOPPING = 2
+
+
+class ControlBlock:
+    def __init__(self, segment: Segment) -> None:
+        self.segment = segment
+        self._header = np.ndarray((), _HEADER, buffer=segment.buf)
+        if int(self._header["magic"]) != MAGIC:
+            raise ValueError(f"{segment.name} is not a ringllm control segment")
+        names_len = int(self._header["names_len"])
+        names_at = _HEADER.itemsize
+        self.actors: list[tuple[str, str]] = [tuple(a) for a in orjson.loads(segment.buf[names_at : names_at + names_len])]
+        self.slots = np.ndarray((len(self.actors),), SLOT, buffer=segment.buf, offset=names_at + _NAMES_BYTES)
+
+    @classmethod
+    def create(cls, topology: Topology) -> ControlBlock:
+        names = orjson.dumps([(a.name, a.kind) for a in topology.actors])
+        if len(names) > _NAMES_BYTES:
+            raise ValueError("topology too large for the control segment")
+        size = _HEADER.itemsize + _NAMES_BYTES + SLOT.itemsize * len(topology.actors)
+        segment = Segment.create(topology.control_name(), size)
+        header = np.ndarray((), _HEADER, buffer=segment.buf)
+        header["supervisor_pid"], header["epoch"], header["names_len"] = os.getpid(), 1, len(names)
+        segment.buf[_HEADER.itemsize : _HEADER.itemsize + len(names)] = names
+        header["magic"] = MAGIC  # last: an attacher that sees the magic sees the rest
+        del header
+        return cls(segment)
+
+    @classmethod
+    def attach(cls, server: str) -> ControlBlock:
+        return cls(Segment.attach(control_segment_name(server)))
+
+    @property
+    def epoch(self) -> int:
+        return int(self._header["epoch"])
+
+    @epoch.setter
+    def epoch(self, value: int) -> None:
+        self._header["epoch"] = value
+
+    @property
+    def supervisor_pid(self) -> int:
+        return int(self._header["supervisor_pid"])
+
+    def index(self, name: str) -> int:
+        return [n for n, _ in self.actors].index(name)
+
+    def status(self) -> list[dict]:
+        """One row per actor, with exactly STATUS_KEYS."""
+        now = time.monotonic()
+        rows = []
+        for (name, kind), slot in zip(self.actors, self.slots):
+            beat = float(slot["heartbeat"])
+            rows.append(
+                {
+                    "name": name,
+                    "kind": kind,
+                    "pid": int(slot["pid"]),
+                    "epoch": int(slot["epoch"]),
+                    "restarts": int(slot["restarts"]),
+                    "heartbeat_age_s": round(now - beat, 3) if beat else None,
+                }
+            )
+        return rows
+
+    def close(self) -> None:
+        del self._header, self.slots
+        self.segment.close()
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

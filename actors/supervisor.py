@@ -1,0 +1,249 @@
+"""The supervisor: owns every segment and process of one server, and restarts what dies or hangs.
+
+It is not on the data path. Its loop sleeps on the process sentinels and a signal wake-up pipe,
+and every `check_interval_s` looks at heartbeats. A dead or hung actor is restarted under a new
+epoch: the supervisor bumps the epoch in the control block and rings every other actor's
+doorbell, so peers drop frames of the old epoch and free their soft state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import multiprocessing as mp
+import os
+import signal
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import wait as wait_any
+
+import structlog
+
+from actors.base import ActorContext, actor_main
+from actors.control import ActorState, ControlBlock, pid_alive
+from actors.topology import Topology
+from runtime.logs import configure_logging
+from transport.ring import Ring
+from transport.segment import list_segments, remove_segments
+from transport.wakeup import Doorbell
+
+log = structlog.get_logger()
+
+
+@dataclass(frozen=True)
+class SupervisorConfig:
+    hang_timeout_s: float = 30.0  # a ready actor whose heartbeat is older than this is killed
+    ready_timeout_s: float = 600.0  # start-up may load weights
+    stop_timeout_s: float = 5.0  # after a stop request, stragglers are killed
+    check_interval_s: float = 0.25
+    max_backoff_s: float = 5.0  # for an actor that keeps dying before it is ready
+
+    @property
+    def heartbeat_s(self) -> float:
+        return min(1.0, self.hang_timeout_s / 5)
+
+
+class StartupError(RuntimeError):
+    pass
+
+
+class Supervisor:
+    def __init__(self, topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> None:
+        self.topology = topology
+        self.config = config
+        self._spawn = mp.get_context("spawn")
+        self._procs: dict[int, mp.process.BaseProcess] = {}
+        self._started_at: dict[int, float] = {}
+        self._restart_at: dict[int, float] = {}
+        self._backoff: dict[int, float] = {}
+        self._stopping = False
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.control: ControlBlock | None = None
+        self._rings: dict[tuple[str, str], Ring] = {}
+        self._doorbells: list[Doorbell] = []
+
+    # -- life cycle ---------------------------------------------------------------------------
+
+    def run(self) -> int:
+        """Start, supervise until SIGINT or SIGTERM, then stop and remove every segment."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        signal.set_wakeup_fd(self._wake_w)
+        try:
+            self.start()
+            self.watch()
+        except StartupError as exc:
+            log.error("startup_failed", error=str(exc))
+            return 1
+        finally:
+            self.stop()
+        return 0
+
+    def _on_signal(self, signum: int, frame) -> None:
+        self._stopping = True
+
+    def start(self) -> None:
+        self._sweep_stale()
+        self.control = ControlBlock.create(self.topology)
+        for edge in self.topology.edges:
+            self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)
+        self._doorbells = [Doorbell() for _ in self.topology.actors]
+        for index in range(len(self.topology.actors)):
+            self._start_actor(index)
+        self._await_ready()
+        log.info("topology_ready", server=self.topology.server, actors=len(self._procs))
+
+    def _sweep_stale(self) -> None:
+        try:
+            stale = ControlBlock.attach(self.topology.server)
+        except FileNotFoundError:
+            stale = None
+        if stale is not None:
+            owner = stale.supervisor_pid
+            stale.close()
+            if pid_alive(owner):
+                raise StartupError(f"a ringllm server already runs on {self.topology.server} (supervisor pid {owner})")
+        if removed := remove_segments(self.topology.prefix):
+            log.warning("removed_stale_segments", segments=removed)
+
+    def _await_ready(self) -> None:
+        deadline = time.monotonic() + self.config.ready_timeout_s
+        slots = self.control.slots
+        while not all(slots["state"] == ActorState.READY):
+            if self._stopping:
+                raise StartupError("stopped during start-up")
+            for index, proc in self._procs.items():
+                if not proc.is_alive():
+                    raise StartupError(f"{self._name(index)} exited with code {proc.exitcode} during start-up")
+            if time.monotonic() > deadline:
+                raise StartupError(f"actors not ready after {self.config.ready_timeout_s} s")
+            wait_any([p.sentinel for p in self._procs.values()] + [self._wake_r], timeout=0.05)
+            self._drain_wakeups()
+
+    def watch(self) -> None:
+        """Until a stop is requested: restart whatever dies or hangs."""
+        while not self._stopping:
+            sentinels = {proc.sentinel: index for index, proc in self._procs.items()}
+            for fired in wait_any([*sentinels, self._wake_r], timeout=self.config.check_interval_s):
+                if fired in sentinels:
+                    self._on_exit(sentinels[fired])
+            self._drain_wakeups()
+            if self._stopping:
+                break
+            self._kill_hung()
+            now = time.monotonic()
+            for index, due in list(self._restart_at.items()):
+                if due <= now:
+                    del self._restart_at[index]
+                    self._start_actor(index)
+
+    def stop(self) -> None:
+        """Ask every actor to stop, kill stragglers, then unlink every segment."""
+        self._stopping = True
+        if self.control is None:  # nothing was created (another server owns the port)
+            return
+        for index in self._procs:
+            self.control.slots[index]["stop"] = 1
+            self._doorbells[index].ring()
+        deadline = time.monotonic() + self.config.stop_timeout_s
+        for index, proc in self._procs.items():
+            proc.join(max(0.0, deadline - time.monotonic()))
+            if proc.is_alive():
+                log.warning("actor_killed_at_stop", child=self._name(index), pid=proc.pid)
+                proc.kill()
+                proc.join()
+            proc.close()
+        self._procs.clear()
+        for ring in self._rings.values():
+            ring.close()
+        for bell in self._doorbells:
+            bell.close()
+        self.control.close()
+        if leftovers := list_segments(self.topology.prefix):
+            remove_segments(self.topology.prefix)
+            log.warning("removed_leftover_segments", segments=leftovers)
+        log.info("stopped", server=self.topology.server)
+
+    # -- actors -------------------------------------------------------------------------------
+
+    def _name(self, index: int) -> str:
+        return self.topology.actors[index].name
+
+    def _start_actor(self, index: int) -> None:
+        spec = self.topology.actors[index]
+        slot = self.control.slots[index]
+        slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
+        ctx = ActorContext(
+            spec=spec,
+            server=self.topology.server,
+            index=index,
+            inputs={src: ring.handle for (src, dst), ring in self._rings.items() if dst == spec.name},
+            outputs={dst: ring.handle for (src, dst), ring in self._rings.items() if src == spec.name},
+            doorbell=self._doorbells[index],
+            supervisor_pid=os.getpid(),
+            heartbeat_s=self.config.heartbeat_s,
+        )
+        proc = self._spawn.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
+        proc.start()
+        slot["pid"] = proc.pid
+        self._procs[index] = proc
+        self._started_at[index] = time.monotonic()
+        log.info("actor_started", child=spec.name, kind=spec.kind, pid=proc.pid, epoch=self.control.epoch)
+
+    def _on_exit(self, index: int) -> None:
+        proc = self._procs.pop(index)
+        proc.join()
+        was_ready = self.control.slots[index]["state"] == ActorState.READY
+        self._new_epoch(index, reason="exited", exitcode=proc.exitcode)
+        proc.close()
+        # a crash after a healthy start restarts at once; a crash loop at start-up backs off
+        delay = 0.0 if was_ready else self._backoff.get(index, 0.25)
+        self._backoff[index] = 0.25 if was_ready else min(self.config.max_backoff_s, delay * 2)
+        self._restart_at[index] = time.monotonic() + delay
+
+    def _kill_hung(self) -> None:
+        now = time.monotonic()
+        for index, proc in self._procs.items():
+            slot = self.control.slots[index]
+            ready = slot["state"] == ActorState.READY
+            age = now - (float(slot["heartbeat"]) if ready else self._started_at[index])
+            limit = self.config.hang_timeout_s if ready else self.config.ready_timeout_s
+            if age > limit:
+                log.warning("actor_hung", child=self._name(index), pid=proc.pid, silent_s=round(age, 3))
+                proc.kill()  # its sentinel fires on the next wait and restarts it
+
+    def _new_epoch(self, index: int, **why) -> None:
+        """Bump the epoch and tell every live peer, so in-flight frames of the old one are dropped."""
+        self.control.epoch = self.control.epoch + 1
+        self.control.slots[index]["restarts"] += 1
+        for peer in self._procs:
+            self._doorbells[peer].ring()
+        log.warning("actor_restarting", child=self._name(index), epoch=self.control.epoch, **why)
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while os.read(self._wake_r, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+
+def load_topology(path: str, server: str) -> Topology:
+    """`module:function`, where function(server) returns the Topology to run."""
+    module, _, attr = path.partition(":")
+    return getattr(importlib.import_module(module), attr)(server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m actors.supervisor", description="Run a declared topology.")
+    parser.add_argument("topology", help="module:function that returns a Topology for a port")
+    parser.add_argument("--port", type=int, default=8000, help="names the server's segments")
+    parser.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s)
+    args = parser.parse_args(argv)
+    configure_logging("supervisor")
+    topology = load_topology(args.topology, str(args.port))
+    return Supervisor(topology, SupervisorConfig(hang_timeout_s=args.hang_timeout)).run()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,57 @@
+"""A declared pipeline: which actors run, and which directed rings connect them."""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any
+
+from transport.segment import server_prefix
+
+
+@dataclass(frozen=True)
+class ActorSpec:
+    name: str  # unique in the topology; names its rings and its row in `ringllm status`
+    kind: str  # what it is (tokenizer, scheduler, ...), shown by `ringllm status`
+    entry: str  # "module:Class" of an actors.base.Actor subclass, imported in the child
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def load_class(self) -> type:
+        module, _, attr = self.entry.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+
+@dataclass(frozen=True)
+class Edge:
+    src: str
+    dst: str
+    capacity: int = 4 << 20
+
+
+@dataclass(frozen=True)
+class Topology:
+    server: str  # the port it serves on; every segment name carries it
+    actors: tuple[ActorSpec, ...]
+    edges: tuple[Edge, ...] = ()
+
+    def __post_init__(self) -> None:
+        names = [a.name for a in self.actors]
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate actor names in {names}")
+        for edge in self.edges:
+            if edge.src not in names or edge.dst not in names:
+                raise ValueError(f"edge {edge.src}->{edge.dst} names an unknown actor")
+
+    @property
+    def prefix(self) -> str:
+        return server_prefix(self.server)
+
+    def ring_name(self, edge: Edge) -> str:
+        return f"{self.prefix}{edge.src}-{edge.dst}"
+
+    def control_name(self) -> str:
+        return control_segment_name(self.server)
+
+
+def control_segment_name(server: str) -> str:
+    return f"{server_prefix(server)}control"

@@ -1,0 +1,1 @@
+"""Benchmarks; results are written to benchmarks/results/."""

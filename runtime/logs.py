@@ -1,0 +1,43 @@
+"""structlog set-up shared by every process: one JSON object per line on stderr.
+
+Fields that describe the process (actor, pid, epoch) are process-wide, not contextvars: asyncio
+copies the context into each task, so an epoch bound in one task would not reach the others.
+Per-request fields (rid) stay in contextvars.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+import orjson
+import structlog
+
+_PROCESS_FIELDS: dict[str, object] = {}
+
+
+def bind_process(**fields: object) -> None:
+    """Fields added to every log line this process writes from now on."""
+    _PROCESS_FIELDS.update(fields)
+
+
+def _add_process_fields(logger, method: str, event: dict) -> dict:
+    return {**_PROCESS_FIELDS, **event}
+
+
+def configure_logging(actor: str, level: str | None = None) -> None:
+    level = level or os.environ.get("RINGLLM_LOG_LEVEL", "INFO")
+    structlog.configure(
+        processors=[
+            _add_process_fields,
+            structlog.contextvars.merge_contextvars,
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True),
+            structlog.processors.JSONRenderer(serializer=orjson.dumps),
+        ],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.BytesLoggerFactory(sys.stderr.buffer),
+        cache_logger_on_first_use=True,
+    )
+    bind_process(actor=actor, pid=os.getpid())

@@ -1,0 +1,145 @@
+"""The supervisor over real processes: status, restarts under a new epoch after SIGKILL and
+SIGSTOP, old-epoch frames discarded, clean stop, stale-segment sweep and idle cost."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import orjson
+import psutil
+import pytest
+
+from tests.conftest import ringllm, wait_for
+from tests.probe_actors import report_path
+from transport.segment import list_segments, server_prefix
+
+CHAIN = "tests.probe_actors:chain"
+
+
+def sink_report(server: str, pid: int | None = None) -> dict | None:
+    try:
+        with open(report_path(server), "rb") as f:
+            report = orjson.loads(f.read())
+    except FileNotFoundError:
+        return None
+    return report if pid is None or report["pid"] == pid else None
+
+
+def accepted_in(report: dict | None, epoch: int) -> int:
+    return report["accepted"].get(str(epoch), 0) if report else 0
+
+
+def restarted(sup, name: str, old_pid: int) -> dict | None:
+    row = sup.actor(name)
+    return row if row["pid"] != old_pid and row["restarts"] == 1 else None
+
+
+def test_status_lists_every_actor(start_supervisor, server):
+    sup = start_supervisor(CHAIN)
+    rows = sup.status()
+    assert [r["name"] for r in rows] == ["source", "echo", "sink"]
+    for row in rows:
+        assert list(row) == ["name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s"]
+        assert psutil.pid_exists(row["pid"]) and row["epoch"] == 1 and row["restarts"] == 0
+        assert 0 <= row["heartbeat_age_s"] < 5
+    table = ringllm("status", "--port", server).stdout.splitlines()
+    assert table[0].split() == ["name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s"]
+    assert [line.split()[0] for line in table[1:]] == ["source", "echo", "sink"]
+    wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
+    assert sink_report(server)["errors"] == []
+
+
+def test_status_without_a_server(server):
+    result = ringllm("status", "--port", server, check=False)
+    assert result.returncode == 1 and f"no ringllm server on port {server}" in result.stderr
+
+
+@pytest.mark.parametrize("victim", ["source", "sink"])
+def test_sigkill_restarts_under_new_epoch_and_drops_old_frames(start_supervisor, server, victim):
+    sup = start_supervisor(CHAIN)
+    wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
+    old_pid = sup.actor(victim)["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+
+    row = wait_for(lambda: restarted(sup, victim, old_pid), 20, f"{victim} to restart")
+    assert row["epoch"] == 2
+    assert not psutil.pid_exists(old_pid)
+    new_sink = sup.actor("sink")["pid"]
+    report = wait_for(lambda: (r := sink_report(server, new_sink)) and accepted_in(r, 2) > 50 and r, 20, "frames of epoch 2")
+    # The rings held a backlog of epoch-1 frames when the victim died: they were dropped, and the
+    # epoch-2 stream arrived whole, numbered from 0, checksums intact.
+    assert report["stale"] > 0
+    assert report["errors"] == []
+    assert all(r["epoch"] == 2 for r in sup.status())
+
+
+def test_hung_actor_is_killed_and_restarted(start_supervisor, server):
+    sup = start_supervisor(CHAIN, "--hang-timeout", "1.5")
+    wait_for(lambda: accepted_in(sink_report(server), 1) > 20, 20, "frames to flow")
+    frozen = sup.actor("echo")["pid"]
+    os.kill(frozen, signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    row = wait_for(lambda: restarted(sup, "echo", frozen), 20, "the frozen echo to be replaced")
+    assert time.monotonic() - stopped_at < 1.5 + 5
+    assert row["epoch"] == 2
+    wait_for(lambda: accepted_in(sink_report(server), 2) > 20, 20, "frames of epoch 2")
+    assert sink_report(server)["errors"] == []
+
+
+def test_sigterm_stops_everything_and_removes_segments(start_supervisor, server):
+    sup = start_supervisor(CHAIN)
+    pids = [row["pid"] for row in sup.status()]
+    assert list_segments(server_prefix(server))
+    assert sup.stop(signal.SIGTERM) == 0
+    assert not list_segments(server_prefix(server))
+    assert not any(psutil.pid_exists(pid) for pid in pids)
+
+
+def test_sigint_stops_like_sigterm(start_supervisor, server):
+    sup = start_supervisor(CHAIN)
+    assert sup.stop(signal.SIGINT) == 0
+    assert not list_segments(server_prefix(server))
+
+
+def test_second_server_on_a_port_is_refused(start_supervisor, server):
+    first = start_supervisor(CHAIN)
+    second = subprocess.run(
+        [sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert second.returncode == 1 and "already runs" in second.stderr
+    assert [r["restarts"] for r in first.status()] == [0, 0, 0]  # the running server is untouched
+
+
+def test_crashed_supervisor_leaves_no_orphans_and_is_swept(start_supervisor, server):
+    sup = start_supervisor(CHAIN)
+    pids = [row["pid"] for row in sup.status()]
+    sup.stop(signal.SIGKILL)
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in pids), 10, "actors to die with their supervisor")
+    assert list_segments(server_prefix(server))  # nobody was left to unlink them...
+    gone = ringllm("status", "--port", server, check=False)
+    assert gone.returncode == 1 and "is gone" in gone.stderr
+    again = start_supervisor(CHAIN)  # ...so the next server on the port sweeps them
+    assert [r["restarts"] for r in again.status()] == [0, 0, 0]
+    assert again.stop() == 0
+    assert not list_segments(server_prefix(server))
+
+
+def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
+    sup = start_supervisor("tests.probe_actors:idle_pair")
+    procs = [psutil.Process(row["pid"]) for row in sup.status()] + [psutil.Process(sup.proc.pid)]
+    time.sleep(1)  # let start-up work settle
+    before = [p.cpu_times() for p in procs]
+    started = time.monotonic()
+    time.sleep(10)
+    elapsed = time.monotonic() - started
+    usage = {
+        p.pid: 100 * ((now.user + now.system) - (then.user + then.system)) / elapsed
+        for p, then, now in zip(procs, before, [p.cpu_times() for p in procs])
+    }
+    print("idle CPU % of a core, by pid (actors, then supervisor):", usage)
+    assert all(pct < 2.0 for pct in usage.values()), usage

@@ -1,0 +1,1 @@
+"""Shared-memory transport: segments, SPSC rings of variable-size frames, eventfd wake-ups."""

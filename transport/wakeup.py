@@ -1,0 +1,132 @@
+"""Waiting without burning a core: spin briefly, then sleep on an eventfd that the peer rings.
+
+The waiter raises a flag in shared memory before it sleeps; the peer rings the eventfd only when
+the flag is up, so a busy pipeline makes no syscalls. Announcing sleep is a store followed by a
+load of the peer's index, which x86-64 may reorder (store→load is the one reordering TSO allows)
+and Python cannot fence. The first nap after raising the flag is therefore short: a wake-up lost
+to that reordering costs at most FIRST_NAP_S, never a hang; later naps last until the bell rings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import os
+import select
+import time
+from collections.abc import Callable, Iterator
+from multiprocessing.reduction import DupFd
+
+FIRST_NAP_S = 0.001
+
+
+def spin_budget_ns(cores: int | None = None) -> int:
+    """Spinning only pays when the peer can run meanwhile: none on one core, more with more cores."""
+    if (override := os.environ.get("RINGLLM_SPIN_US")) is not None:
+        return int(float(override) * 1000)
+    cores = cores if cores is not None else len(os.sched_getaffinity(0))
+    return 0 if cores < 2 else min(200, 50 * (cores - 1)) * 1000
+
+
+SPIN_NS = spin_budget_ns()
+
+
+class Doorbell:
+    """A non-blocking eventfd; pickling it into a spawned child passes the descriptor along."""
+
+    def __init__(self, fd: int | None = None) -> None:
+        self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if fd is None else fd
+        self._poll = select.poll()
+        self._poll.register(self.fd, select.POLLIN)
+
+    def __reduce__(self):  # only valid while multiprocessing spawns a child
+        return _rebuild_doorbell, (DupFd(self.fd),)
+
+    def ring(self) -> None:
+        os.eventfd_write(self.fd, 1)
+
+    def drain(self) -> None:
+        with contextlib.suppress(BlockingIOError):
+            os.eventfd_read(self.fd)
+
+    def sleep(self, timeout: float | None) -> None:
+        self._poll.poll(None if timeout is None else timeout * 1000)
+        self.drain()
+
+    async def sleep_async(self, timeout: float | None) -> None:
+        loop = asyncio.get_running_loop()
+        woken = loop.create_future()
+        loop.add_reader(self.fd, _resolve, woken)
+        timer = None if timeout is None else loop.call_later(timeout, _resolve, woken)
+        try:
+            await woken
+        finally:
+            loop.remove_reader(self.fd)
+            if timer is not None:
+                timer.cancel()
+        self.drain()
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _rebuild_doorbell(dup) -> Doorbell:
+    return Doorbell(dup.detach())
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def ring_if_asleep(flag: ctypes.c_uint32, bell: Doorbell) -> None:
+    """The peer's half of the protocol: wake the waiter only if it announced sleep."""
+    if flag.value:
+        flag.value = 0
+        bell.ring()
+
+
+def _naps(ready: Callable[[], bool], flag: ctypes.c_uint32, timeout: float | None) -> Iterator[float | None]:
+    """The wait policy shared by the blocking and asyncio waits: yields how long to sleep next
+    (None: until rung) and stops once `ready()` holds or the timeout has passed."""
+    spin_end = time.perf_counter_ns() + SPIN_NS
+    while time.perf_counter_ns() < spin_end:
+        if ready():
+            return
+    deadline = None if timeout is None else time.monotonic() + timeout
+    nap: float | None = FIRST_NAP_S
+    try:
+        while True:
+            flag.value = 1
+            if ready():
+                return
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                nap = left if nap is None else min(nap, left)
+            yield nap
+            nap = None
+    finally:
+        flag.value = 0
+
+
+def wait_until(ready: Callable[[], bool], flag: ctypes.c_uint32, bell: Doorbell, timeout: float | None = None) -> bool:
+    if ready():
+        return True
+    with contextlib.closing(_naps(ready, flag, timeout)) as naps:
+        for nap in naps:
+            bell.sleep(nap)
+    return ready()
+
+
+async def wait_until_async(
+    ready: Callable[[], bool], flag: ctypes.c_uint32, bell: Doorbell, timeout: float | None = None
+) -> bool:
+    if ready():
+        return True
+    with contextlib.closing(_naps(ready, flag, timeout)) as naps:
+        for nap in naps:
+            await bell.sleep_async(nap)
+    return ready()
