@@ -1,1 +1,19 @@
-"""Engine runtime: configuration, logging and the command line (models and kernels come later)."""
+"""Engine runtime: configuration, models, KV cache, scheduler, sampling and the offline API.
+
+`LLM` and `SamplingParams` load lazily, so that processes which only need `runtime.logs` or the
+command line never import torch.
+"""
+
+__all__ = ["LLM", "GenerationOutput", "SamplingParams"]
+
+
+def __getattr__(name: str):
+    if name in ("LLM", "GenerationOutput"):
+        from runtime import llm
+
+        return getattr(llm, name)
+    if name == "SamplingParams":
+        from runtime.sampling import SamplingParams
+
+        return SamplingParams
+    raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -138,3 +138,25 @@ def pytest_sessionfinish(session, exitstatus) -> None:
     if leftovers or stray:
         print(f"\nleft behind after the suite: segments {leftovers}, processes {[p.pid for p in stray]}")
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Callable[[str], Path]:
+    """A folder per architecture, built once per session."""
+    from tests.tiny_models import build
+
+    built: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in built:
+            built[name] = build(name, tmp_path_factory.mktemp(name))
+        return built[name]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def smollm2() -> Path:
+    from runtime.default_model import default_model_dir
+
+    return default_model_dir()

@@ -1,0 +1,95 @@
+"""Frozen configuration: the model's shape (from config.json) and the engine's knobs."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class RopeConfig:
+    theta: float = 10000.0
+    kind: str = "default"  # "default" or "llama3"
+    factor: float = 1.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    attention_bias: bool  # Qwen2: biases on q, k and v
+    qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
+    rope: RopeConfig
+    eos_token_ids: tuple[int, ...]
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
+        arch = raw["architectures"][0]
+        rope_raw = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
+        rope = RopeConfig(
+            theta=float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            kind=rope_raw.get("rope_type", rope_raw.get("type", "default")),
+            factor=float(rope_raw.get("factor", 1.0)),
+            low_freq_factor=float(rope_raw.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope_raw.get("high_freq_factor", 4.0)),
+            original_max_position=int(rope_raw.get("original_max_position_embeddings", 8192)),
+        )
+        if rope.kind not in ("default", "llama3"):
+            raise ValueError(f"rope type {rope.kind!r} is not supported")
+        eos = raw.get("eos_token_id")
+        heads = raw["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_layers=raw["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position=raw.get("max_position_embeddings", 4096),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            qk_norm=arch == "Qwen3ForCausalLM",
+            rope=rope,
+            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+        )
+
+    @classmethod
+    def load(cls, model_dir: Path) -> ModelConfig:
+        return cls.from_dict(json.loads((model_dir / "config.json").read_text()))
+
+
+DEFAULT_KV_TOKENS = 16384
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    page_size: int = 16
+    num_pages: int | None = None  # None: room for DEFAULT_KV_TOKENS tokens
+    max_prefill_tokens: int = 8192  # the chunk budget of one step
+    max_running_requests: int = 256
+    enable_prefix_cache: bool = True
+    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    device: str = "cpu"
+    dummy_weights: bool = False
+    attention_backend: str = "torch"
+    seed: int = 0  # seeds the per-request seeds of requests that bring none
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)

@@ -1,0 +1,72 @@
+"""Weights: a local Hugging Face folder (safetensors), a hub id when the hub is reachable, or
+random weights of the config's shape for benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.layers import FUSED_OPS
+from runtime.models import MODELS
+
+log = structlog.get_logger()
+
+
+def resolve_model_dir(name_or_path: str) -> Path:
+    """A local folder as is; anything else is a hub id, fetched once into the hub cache."""
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+
+
+def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool, ops: str = "torch") -> nn.Module:
+    if cfg.architecture not in MODELS:
+        raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
+    with torch.device("meta"):  # no time spent initialising weights that are overwritten next
+        model = MODELS[cfg.architecture](cfg, FUSED_OPS[ops])
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.tie_weights()
+    if dummy:
+        _random_weights(model)
+    else:
+        _load_safetensors(model, model_dir)
+    return model.eval()
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once
+    missing = set(params)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if name in params:
+                        params[name].copy_(f.get_tensor(name))
+                        missing.discard(name)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    log.info("weights_loaded", model_dir=str(model_dir), files=len(files))
+
+
+def _random_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=torch.Generator(device=param.device).manual_seed(len(name)))

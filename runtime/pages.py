@@ -1,0 +1,31 @@
+"""Page ids of the KV pool: the scheduler's bookkeeping; the tensors live in the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+
+class PageAllocator:
+    def __init__(self, num_pages: int) -> None:
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids first
+        self._in_use = bytearray(num_pages)
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, count: int) -> list[int] | None:
+        if count > len(self._free):
+            return None
+        pages = [self._free.pop() for _ in range(count)]
+        for page in pages:
+            self._in_use[page] = 1
+        return pages
+
+    def free(self, pages: Iterable[int]) -> None:
+        for page in pages:
+            if not self._in_use[page]:
+                raise RuntimeError(f"page {page} freed twice")
+            self._in_use[page] = 0
+            self._free.append(page)

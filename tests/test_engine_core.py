@@ -1,0 +1,141 @@
+"""The engine core in one process: prefix reuse, preemption by recompute, seeded sampling,
+stop conditions and page accounting, on a tiny random Llama."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from runtime import LLM, SamplingParams
+
+GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+
+
+def random_prompts(count: int, lengths: range, seed: int, prefix: list[int] | None = None) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths.start, lengths.stop, (count,), generator=generator).tolist()
+    return [(prefix or []) + torch.randint(0, 512, (n,), generator=generator).tolist() for n in sizes]
+
+
+def all_pages_free(llm: LLM) -> bool:
+    llm.flush_cache()
+    return llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_pages
+
+
+def test_shared_prefixes_are_reused_and_change_nothing(tiny_model):
+    prompts = random_prompts(8, range(4, 20), seed=3, prefix=random_prompts(1, range(64, 65), seed=4)[0])
+    runs = {}
+    for enabled in (True, False):
+        llm = LLM(tiny_model("llama"), page_size=16, enable_prefix_cache=enabled)
+        first = llm.generate(prompts[:1], GREEDY)  # warms the cache with the shared prefix
+        rest = llm.generate(prompts[1:], GREEDY)
+        runs[enabled] = [o.token_ids for o in first + rest]
+        reused = llm.scheduler.reused_prefix_tokens
+        print(f"prefix cache {'on' if enabled else 'off'}: reused prefix tokens {reused}")
+        if enabled:
+            assert reused >= 7 * 64 and all(o.cached_tokens >= 64 for o in rest)
+        else:
+            assert reused == 0
+        assert all_pages_free(llm)
+    assert runs[True] == runs[False]
+
+
+def test_preemption_recomputes_and_gives_identical_output(tiny_model):
+    prompts = random_prompts(8, range(30, 90), seed=5)
+    roomy = LLM(tiny_model("llama"), page_size=16)
+    expected = [o.token_ids for o in roomy.generate(prompts, GREEDY)]
+    tight = LLM(tiny_model("llama"), page_size=16, num_pages=12)  # 192 tokens for ~800 needed
+    outputs = tight.generate(prompts, GREEDY)
+    print(f"preemptions: {tight.scheduler.preemptions}")
+    assert tight.scheduler.preemptions > 0
+    assert [o.token_ids for o in outputs] == expected
+    assert all(o.finish_reason == "length" for o in outputs)
+    assert all_pages_free(tight)
+
+
+def test_seeded_request_samples_the_same_alone_and_in_a_batch_of_16(tiny_model):
+    llm = LLM(tiny_model("qwen3"), page_size=16)
+    seeded = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, ignore_eos=True,
+                            frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1)
+    prompt = random_prompts(1, range(20, 21), seed=6)
+    alone = llm.generate(prompt, seeded)[0].token_ids
+    others = random_prompts(15, range(5, 60), seed=7)
+    batch = others[:7] + prompt + others[7:]
+    params = [SamplingParams(max_tokens=32, temperature=1.0, seed=i) for i in range(7)] + [seeded]
+    params += [SamplingParams(max_tokens=32, temperature=0.7, top_k=5) for _ in range(8)]
+    in_batch = llm.generate(batch, params)[7].token_ids
+    assert alone == in_batch
+    assert llm.generate(prompt, SamplingParams(**{**seeded.__dict__, "seed": 99}))[0].token_ids != alone
+    assert all_pages_free(llm)
+
+
+def test_stop_conditions(tiny_model):
+    llm = LLM(tiny_model("mistral"), page_size=4)
+    prompt = random_prompts(1, range(10, 11), seed=8)
+    free_run = llm.generate(prompt, GREEDY)[0].token_ids
+    stop_id = free_run[5]
+    cut = free_run.index(stop_id) + 1
+    stopped = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, stop_token_ids=[stop_id]))[0]
+    assert stopped.token_ids == free_run[:cut] and stopped.finish_reason == "stop"
+    llm.scheduler.eos_token_ids = frozenset({stop_id, 511})  # several EOS ids
+    eos = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0))[0]
+    assert eos.token_ids == free_run[:cut] and eos.finish_reason == "stop"
+    ignored = llm.generate(prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    assert ignored.token_ids == free_run and ignored.finish_reason == "length"
+    assert all_pages_free(llm)
+
+
+def test_logprobs_and_greedy_agree(tiny_model):
+    llm = LLM(tiny_model("qwen2"), page_size=16)
+    out = llm.generate(random_prompts(1, range(12, 13), seed=9), SamplingParams(max_tokens=8, temperature=0, logprobs=3))[0]
+    for token, top in zip(out.token_ids, out.logprobs):
+        assert len(top) == 3 and max(top, key=top.get) == token and all(lp <= 0 for lp in top.values())
+
+
+@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
+                                 dict(min_p=1.5), dict(presence_penalty=3), dict(repetition_penalty=0), dict(logprobs=-1)])
+def test_invalid_sampling_parameters_are_refused(bad):
+    with pytest.raises(ValueError):
+        SamplingParams(**bad)
+
+
+def test_prompt_longer_than_the_context_is_refused(tiny_model):
+    llm = LLM(tiny_model("llama"), page_size=16)
+    with pytest.raises(ValueError, match="context"):
+        llm.generate([[1] * 600], GREEDY)
+
+
+def test_steps_mix_prefill_chunks_with_decodes(tiny_model):
+    llm = LLM(tiny_model("llama"), page_size=16, max_prefill_tokens=16)
+    shapes = []
+    execute = llm.engine.execute
+
+    def recording(plan):
+        shapes.append((len(plan.chunks), len(plan.decodes)))
+        return execute(plan)
+
+    llm.engine.execute = recording
+    llm.generate(random_prompts(6, range(5, 80), seed=10), GREEDY)
+    assert any(chunks and decodes for chunks, decodes in shapes)  # mixed steps happened
+    assert max(chunks for chunks, _ in shapes) >= 1 and len(shapes) > 24  # and prefill was chunked
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.5), ("float16", 0.1)])  # 8- and 11-bit mantissas
+def test_half_precision_tracks_fp32(tiny_model, dtype, tolerance):
+    prompts = random_prompts(8, range(5, 40), seed=11)
+    params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
+    full = LLM(tiny_model("qwen2"), page_size=16).generate(prompts, params)
+    half = LLM(tiny_model("qwen2"), page_size=16, dtype=dtype)
+    assert half.engine.pool.k[0].dtype == getattr(torch, dtype)
+    for a, b in zip(full, half.generate(prompts, params)):
+        top = a.token_ids[0]
+        assert abs(a.logprobs[0][top] - b.logprobs[0].get(top, -99)) < tolerance
+
+
+def test_dummy_weights_need_only_a_config(tiny_model, tmp_path):
+    (tmp_path / "config.json").write_text((tiny_model("qwen3") / "config.json").read_text())
+    llm = LLM(tmp_path, dummy_weights=True, page_size=16)
+    out = llm.generate(random_prompts(2, range(5, 9), seed=12), GREEDY)
+    assert all(len(o.token_ids) == 24 for o in out)
+    with pytest.raises(FileNotFoundError):
+        LLM(tmp_path, page_size=16)  # without the flag, weights are required

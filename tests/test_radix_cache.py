@@ -1,0 +1,93 @@
+"""The page allocator and the radix prefix cache: insert, match, split, evict and lock."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime.pages import PageAllocator
+from runtime.radix_cache import RadixCache
+
+PAGE = 2
+
+
+def fresh(num_pages: int = 32) -> tuple[PageAllocator, RadixCache]:
+    allocator = PageAllocator(num_pages)
+    return allocator, RadixCache(allocator, PAGE)
+
+
+def cached(cache: RadixCache, allocator: PageAllocator, tokens: list[int]) -> list[int]:
+    """Insert `tokens` as a finished request would: fresh pages for every whole page."""
+    pages = allocator.alloc(len(tokens) // PAGE)
+    cache.insert(tokens[: len(pages) * PAGE], pages)
+    return pages
+
+
+def test_allocator_hands_out_each_page_once_and_catches_double_free():
+    allocator = PageAllocator(4)
+    pages = allocator.alloc(3)
+    assert sorted(pages) == [0, 1, 2] and allocator.num_free == 1
+    assert allocator.alloc(2) is None  # all or nothing
+    allocator.free(pages)
+    assert allocator.num_free == 4
+    with pytest.raises(RuntimeError):
+        allocator.free([pages[0]])
+
+
+def test_match_is_page_aligned():
+    allocator, cache = fresh()
+    pages = cached(cache, allocator, [1, 2, 3, 4, 5, 6])
+    assert cache.match([1, 2, 3, 4, 5, 6, 7])[0] == pages
+    assert cache.match([1, 2, 3, 9])[0] == pages[:1]  # [3, 9] is not a cached page
+    assert cache.match([1, 2, 3])[0] == pages[:1]  # a partial last page never matches
+    assert cache.match([9, 9])[0] == []
+
+
+def test_insert_splits_a_node_and_frees_duplicate_pages():
+    allocator, cache = fresh()
+    first = cached(cache, allocator, [1, 2, 3, 4, 5, 6])
+    second = cached(cache, allocator, [1, 2, 3, 4, 7, 8])  # shares two pages, then parts
+    assert cache.cached_pages == 4  # the shared pages are kept once
+    assert allocator.num_free == 32 - 4  # the duplicates of the shared pages were freed
+    assert cache.match([1, 2, 3, 4, 7, 8])[0] == first[:2] + second[2:]
+    node = cache.match([1, 2, 3, 4])[1]
+    assert node.tokens == (1, 2, 3, 4) and len(node.children) == 2  # the split point
+
+
+def test_reinserting_the_cached_pages_frees_nothing():
+    allocator, cache = fresh()
+    pages = cached(cache, allocator, [1, 2, 3, 4])
+    assert cache.insert([1, 2, 3, 4], pages) == 4
+    assert allocator.num_free == 30 and cache.cached_pages == 2
+
+
+def test_evict_takes_least_recently_used_unlocked_leaves():
+    allocator, cache = fresh()
+    cached(cache, allocator, [1, 1, 1, 1])
+    cached(cache, allocator, [2, 2, 2, 2])
+    cache.match([1, 1, 1, 1])  # touch: [2, 2, ...] is now the oldest
+    assert cache.evict(1) == 2
+    assert cache.match([2, 2, 2, 2])[0] == [] and len(cache.match([1, 1, 1, 1])[0]) == 2
+
+
+def test_locked_prefix_survives_eviction_until_unlocked():
+    allocator, cache = fresh()
+    cached(cache, allocator, [1, 2, 3, 4])
+    _, node = cache.match([1, 2, 3, 4])
+    cache.lock(node)
+    assert cache.evictable_pages() == 0 and cache.evict(10) == 0
+    cache.unlock(node)
+    assert cache.evictable_pages() == 2 and cache.flush() == 2
+    assert allocator.num_free == allocator.num_pages
+
+
+def test_lock_survives_a_split_below_it():
+    allocator, cache = fresh()
+    cached(cache, allocator, [1, 2, 3, 4])
+    _, node = cache.match([1, 2, 3, 4])
+    cache.lock(node)
+    cached(cache, allocator, [1, 2, 9, 9])  # splits the locked node after its first page
+    cache.flush()
+    assert cache.match([1, 2, 3, 4])[0] != []  # still cached: the lock covered both halves
+    cache.unlock(node)
+    cache.flush()
+    assert allocator.num_free == allocator.num_pages

@@ -1,0 +1,42 @@
+"""Tiny random-weight models of each supported architecture, built with transformers.
+
+A large initializer range makes the next-token distributions peaked, so greedy parity is
+not drowned in near-ties the way a near-uniform random model would be.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+SHAPE = dict(
+    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+)
+
+
+def _configs():
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+
+    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 64}
+    return {
+        "llama": (LlamaConfig, dict(rope_scaling=llama3_rope, rope_theta=10000.0)),
+        "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
+        "qwen3": (Qwen3Config, dict(head_dim=32)),
+        "mistral": (MistralConfig, dict(sliding_window=None)),
+    }
+
+
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+def build(name: str, folder: Path) -> Path:
+    from transformers import AutoModelForCausalLM
+
+    config_cls, extra = _configs()[name]
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra}))
+    model.save_pretrained(folder)
+    return folder
