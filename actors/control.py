@@ -28,6 +28,7 @@ SLOT = np.dtype(
         ("heartbeat", "<f8"),
         ("state", "<u4"),
         ("stop", "<u4"),
+        ("gauges", "<f8", (8,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
     ]
 )
 STATUS_KEYS = ("name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s")

@@ -15,6 +15,7 @@ class ActorSpec:
     kind: str  # what it is (tokenizer, scheduler, ...), shown by `ringllm status`
     entry: str  # "module:Class" of an actors.base.Actor subclass, imported in the child
     options: dict[str, Any] = field(default_factory=dict)
+    torch_threads: bool = False  # only the engine computes with torch; the rest get one thread
 
     def load_class(self) -> type:
         module, _, attr = self.entry.partition(":")

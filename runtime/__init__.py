@@ -13,7 +13,7 @@ def __getattr__(name: str):
 
         return getattr(llm, name)
     if name == "SamplingParams":
-        from runtime.sampling import SamplingParams
+        from runtime.sampling_params import SamplingParams
 
         return SamplingParams
     raise AttributeError(f"module 'runtime' has no attribute {name!r}")

@@ -1,8 +1,9 @@
-"""The `ringllm` command line."""
+"""The `ringllm` command line: serve, status and chat."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 import orjson
@@ -35,16 +36,100 @@ def status(port: int, as_json: bool) -> int:
     return 0
 
 
+def serve(args: argparse.Namespace) -> int:
+    from actors.pipeline import ServeConfig, pipeline
+    from actors.supervisor import Supervisor, SupervisorConfig
+    from runtime.config import EngineConfig
+    from runtime.logs import configure_logging
+    from runtime.model_source import NAME, resolve_model_dir
+
+    configure_logging("supervisor")
+    model_dir = resolve_model_dir(args.model)
+    engine = EngineConfig(
+        page_size=args.page_size, num_pages=args.num_pages, max_prefill_tokens=args.max_prefill_tokens,
+        max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
+        dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+    )
+    config = ServeConfig(
+        model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
+        host=args.host, port=args.port, api_workers=args.api_workers, engine=engine,
+    )
+    return Supervisor(pipeline(config), SupervisorConfig(hang_timeout_s=args.hang_timeout)).run()
+
+
+async def _chat(base_url: str) -> int:
+    import aiohttp
+
+    history: list[dict] = []
+    async with aiohttp.ClientSession(base_url) as http:
+        async with http.get("/v1/models") as reply:
+            model = (await reply.json())["data"][0]["id"]
+        print(f"chatting with {model} at {base_url}; /reset clears the history, Ctrl-D leaves")
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if line == "/reset":
+                history.clear()
+                print("(history cleared)")
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            answer = []
+            body = {"model": model, "messages": history, "stream": True}
+            async with http.post("/v1/chat/completions", json=body) as reply:
+                if reply.status != 200:
+                    print(f"error {reply.status}: {(await reply.json())['error']['message']}")
+                    history.pop()
+                    continue
+                async for raw in reply.content:
+                    data = raw.decode().removeprefix("data: ").strip()
+                    if not data or data == "[DONE]":
+                        continue
+                    for choice in orjson.loads(data).get("choices", []):
+                        piece = choice["delta"].get("content") or ""
+                        answer.append(piece)
+                        print(piece, end="", flush=True)
+            print()
+            history.append({"role": "assistant", "content": "".join(answer)})
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ringllm", description="ringllm: an LLM serving engine on shared-memory rings")
     commands = parser.add_subparsers(dest="command", required=True)
-    status_cmd = commands.add_parser("status", help="list the actors of a running server")
-    status_cmd.add_argument("--port", type=int, default=8000)
-    status_cmd.add_argument("--json", action="store_true", help=f"a JSON list of objects with keys {', '.join(STATUS_KEYS)}")
+
+    s = commands.add_parser("serve", help="serve a model with an OpenAI-compatible API")
+    s.add_argument("--model", help="a local Hugging Face folder or a hub id (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-workers", type=int, default=1, help="HTTP worker processes sharing the port")
+    s.add_argument("--page-size", type=int, default=16)
+    s.add_argument("--num-pages", type=int, help="KV pool size in pages")
+    s.add_argument("--max-running-requests", type=int, default=256)
+    s.add_argument("--max-prefill-tokens", type=int, default=8192, help="the prefill chunk budget of one step")
+    s.add_argument("--disable-prefix-cache", action="store_true")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    s.add_argument("--device", default="cpu")
+    s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
+    s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
+
+    st = commands.add_parser("status", help="list the actors of a running server")
+    st.add_argument("--port", type=int, default=8000)
+    st.add_argument("--json", action="store_true", help=f"a JSON list of objects with keys {', '.join(STATUS_KEYS)}")
+
+    c = commands.add_parser("chat", help="chat with a running server in the terminal")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+
     args = parser.parse_args(argv)
-    if args.command == "status":
-        return status(args.port, args.json)
-    return 2
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "chat":
+        return asyncio.run(_chat(args.url))
+    return status(args.port, args.json)
 
 
 if __name__ == "__main__":

@@ -91,5 +91,8 @@ class EngineConfig:
     attention_backend: str = "torch"
     seed: int = 0  # seeds the per-request seeds of requests that bring none
 
+    def kv_pages(self) -> int:
+        return self.num_pages or self.pages_for(DEFAULT_KV_TOKENS)
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -10,9 +10,10 @@ import structlog
 import torch
 
 from runtime.attention import ATTENTION_BACKENDS, ForwardBatch, KVPool, SeqSpan
-from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.config import EngineConfig, ModelConfig
 from runtime.loader import build_model
-from runtime.sampling import SampleRow, SamplingParams, sample
+from runtime.sampling import SampleRow, sample
+from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
 
 log = structlog.get_logger()
@@ -46,7 +47,7 @@ class Engine:
         self.model_config = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = build_model(self.model_config, model_dir, self.dtype, self.device, config.dummy_weights)
-        self.num_pages = config.num_pages or config.pages_for(DEFAULT_KV_TOKENS)
+        self.num_pages = config.kv_pages()
         cfg = self.model_config
         self.pool = KVPool(cfg.num_layers, self.num_pages * config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool)

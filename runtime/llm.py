@@ -13,10 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import EngineConfig
-from runtime.default_model import default_model_dir
 from runtime.engine import Engine
-from runtime.loader import resolve_model_dir
-from runtime.sampling import SamplingParams
+from runtime.model_source import resolve_model_dir
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Request, Scheduler
 
 
@@ -32,7 +31,7 @@ class GenerationOutput:
 
 class LLM:
     def __init__(self, model_path: str | Path | None = None, **options) -> None:
-        self.model_dir = resolve_model_dir(str(model_path)) if model_path is not None else default_model_dir()
+        self.model_dir = resolve_model_dir(None if model_path is None else str(model_path))
         self.config = EngineConfig(**options)
         self.engine = Engine(self.model_dir, self.config)
         cfg = self.engine.model_config
@@ -50,7 +49,7 @@ class LLM:
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
         while self.scheduler.has_work():
             plan = self.scheduler.schedule()
-            self.scheduler.update(self.engine.execute(plan))
+            self.scheduler.update(plan.step, self.engine.execute(plan))
         return [self._output(r) for r in requests]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

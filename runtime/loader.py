@@ -1,5 +1,5 @@
-"""Weights: a local Hugging Face folder (safetensors), a hub id when the hub is reachable, or
-random weights of the config's shape for benchmarks."""
+"""Weights into the model: safetensors from a Hugging Face folder, or random weights of the
+config's shape for benchmarks."""
 
 from __future__ import annotations
 
@@ -15,17 +15,6 @@ from runtime.layers import FUSED_OPS
 from runtime.models import MODELS
 
 log = structlog.get_logger()
-
-
-def resolve_model_dir(name_or_path: str) -> Path:
-    """A local folder as is; anything else is a hub id, fetched once into the hub cache."""
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    from huggingface_hub import snapshot_download
-
-    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
 
 
 def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool, ops: str = "torch") -> nn.Module:

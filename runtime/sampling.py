@@ -10,47 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
+from runtime.sampling_params import SamplingParams
+
 _MIX = 0x9E3779B97F4A7C15
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
-    top_p: float = 1.0
-    top_k: int = -1  # -1 or 0: off
-    min_p: float = 0.0
-    seed: int | None = None
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    logprobs: int | None = None  # top-N log-probabilities per generated token
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
-        checks = {
-            "max_tokens must be >= 1": self.max_tokens >= 1,
-            "temperature must be >= 0": self.temperature >= 0,
-            "top_p must be in (0, 1]": 0 < self.top_p <= 1,
-            "top_k must be -1, 0 or positive": self.top_k >= -1,
-            "min_p must be in [0, 1]": 0 <= self.min_p <= 1,
-            "presence_penalty must be in [-2, 2]": -2 <= self.presence_penalty <= 2,
-            "frequency_penalty must be in [-2, 2]": -2 <= self.frequency_penalty <= 2,
-            "repetition_penalty must be > 0": self.repetition_penalty > 0,
-            "logprobs must be >= 0": self.logprobs is None or self.logprobs >= 0,
-        }
-        if failed := [message for message, ok in checks.items() if not ok]:
-            raise ValueError("; ".join(failed))
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
-
-    @property
-    def penalized(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
 
 @dataclass

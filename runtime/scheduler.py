@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from runtime.config import EngineConfig
 from runtime.pages import PageAllocator
 from runtime.radix_cache import RadixCache, RadixNode
-from runtime.sampling import SamplingParams
+from runtime.sampling_params import SamplingParams
 from runtime.step import Chunk, NewSlot, Sampled, StepPlan
 
 
@@ -29,8 +29,9 @@ class Request:
     pages: list[int] = field(default_factory=list)  # the page table: shared prefix pages, then own
     shared_pages: int = 0
     prefix: RadixNode | None = None
-    computed: int = 0  # leading tokens whose KV is in `pages`
+    computed: int = 0  # leading tokens whose KV is in `pages` once the planned steps have run
     decoding: bool = False  # the engine holds the last token (it sampled it)
+    admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
 
     @property
     def tokens(self) -> list[int]:
@@ -47,13 +48,13 @@ class Scheduler:
         self.max_position = max_position
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self.finished: list[Request] = []
         self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
         self._by_slot: dict[int, Request] = {}
         self._freed: list[int] = []
         self._seeds = random.Random(config.seed)
         self.reused_prefix_tokens = 0
         self.preemptions = 0
+        self._step = 0
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -78,7 +79,10 @@ class Scheduler:
     # -- planning ---------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan:
-        plan = StepPlan(freed=self._freed)
+        """The next step. A decode needs no answer to the previous step first: the engine feeds
+        each slot its own last sampled token, so the next plan can overlap the device work."""
+        self._step += 1
+        plan = StepPlan(step=self._step, freed=self._freed)
         self._freed = []
         budget = self.config.max_prefill_tokens
         for request in list(self.running):
@@ -97,6 +101,8 @@ class Scheduler:
             self._grow(request, count, plan)
             self._feed(request, count, plan)
             budget -= count
+        if not plan:
+            self._freed = plan.freed  # nothing to run: tell the engine with the next real step
         return plan
 
     def _feed(self, request: Request, count: int, plan: StepPlan) -> None:
@@ -106,6 +112,7 @@ class Scheduler:
             start = request.computed
             sample = start + count == len(request.tokens)
             plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count], sample))
+            request.decoding = sample
         request.computed += count
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
@@ -123,6 +130,7 @@ class Scheduler:
             request.cached_tokens = request.computed
         self.reused_prefix_tokens += request.computed
         request.slot = self._free_slots.pop()
+        request.admitted_step = self._step
         self._by_slot[request.slot] = request
         self.running.append(request)
         plan.new_slots.append(NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed))
@@ -173,22 +181,21 @@ class Scheduler:
 
     # -- results ----------------------------------------------------------------------------
 
-    def update(self, results: list[Sampled]) -> list[Request]:
-        """Record sampled tokens; returns the requests that finished with them."""
-        done = []
+    def update(self, step: int, results: list[Sampled]) -> list[Request]:
+        """Record the tokens sampled by `step`; returns the requests that got one."""
+        advanced = []
         for result in results:
             request = self._by_slot.get(result.slot)
-            if request is None:  # sampled for a slot that was preempted meanwhile
-                continue
+            if request is None or request.admitted_step > step:
+                continue  # the slot's request finished or was preempted after this step was planned
             request.output_ids.append(result.token)
-            request.decoding = True
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
             if reason := self._finish_reason(request, result.token):
                 request.finish_reason = reason
                 self._finish(request)
-                done.append(request)
-        return done
+            advanced.append(request)
+        return advanced
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
@@ -203,11 +210,27 @@ class Scheduler:
         self._freed.append(request.slot)
         self._release_slot(request)
         if self.cache is not None:
-            whole = request.computed // self.page_size
+            whole = min(request.computed, len(request.tokens)) // self.page_size
             self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
         self._drop_pages(request)
-        self.finished.append(request)
+
+    def abort(self, rid: int) -> Request | None:
+        """Drop a request wherever it is, freeing its slot and pages."""
+        for request in self.waiting:
+            if request.rid == rid:
+                self.waiting.remove(request)
+                break
+        else:
+            request = next((r for r in self.running if r.rid == rid), None)
+            if request is None:
+                return None
+            self.running.remove(request)
+            self._freed.append(request.slot)
+            self._release_slot(request)
+            self._drop_pages(request)
+        request.finish_reason = "abort"
+        return request
 
     def flush_cache(self) -> int:
         return self.cache.flush() if self.cache is not None else 0

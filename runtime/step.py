@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from runtime.sampling import SamplingParams
+from runtime.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -31,6 +31,7 @@ class Chunk:
 
 @dataclass
 class StepPlan:
+    step: int = 0
     freed: list[int] = field(default_factory=list)  # applied first: a freed slot may be reused below
     new_slots: list[NewSlot] = field(default_factory=list)
     pages: list[tuple[int, list[int]]] = field(default_factory=list)  # appended to the slot's page table
@@ -46,3 +47,48 @@ class Sampled:
     slot: int
     token: int
     logprobs: dict[int, float] | None
+
+
+def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
+    """Control fields as JSON; token ids and pages as int32 arrays."""
+    meta = {
+        "step": plan.step,
+        "freed": plan.freed,
+        "decodes": plan.decodes,
+        "new": [[n.slot, n.params.to_dict(), n.seed, len(n.prompt_ids), len(n.output_ids), n.cached] for n in plan.new_slots],
+        "pages": [[slot, len(pages)] for slot, pages in plan.pages],
+        "chunks": [[c.slot, len(c.token_ids), c.sample] for c in plan.chunks],
+    }
+    history = [t for n in plan.new_slots for t in (*n.prompt_ids, *n.output_ids)]
+    pages = [p for _, ps in plan.pages for p in ps]
+    tokens = [t for c in plan.chunks for t in c.token_ids]
+    return meta, [history, pages, tokens]
+
+
+def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
+    history, pages, tokens = (a.tolist() for a in arrays)
+    plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"])
+    at = 0
+    for slot, params, seed, prompt_len, output_len, cached in meta["new"]:
+        prompt, output = history[at : at + prompt_len], history[at + prompt_len : at + prompt_len + output_len]
+        plan.new_slots.append(NewSlot(slot, SamplingParams(**params), seed, prompt, output, cached))
+        at += prompt_len + output_len
+    at = 0
+    for slot, count in meta["pages"]:
+        plan.pages.append((slot, pages[at : at + count]))
+        at += count
+    at = 0
+    for slot, count, sample in meta["chunks"]:
+        plan.chunks.append(Chunk(slot, tokens[at : at + count], sample))
+        at += count
+    return plan
+
+
+def results_to_wire(step: int, results: list[Sampled]) -> tuple[dict, list[list[int]]]:
+    logprobs = [[r.slot, list(r.logprobs.items())] for r in results if r.logprobs is not None]
+    return {"step": step, "logprobs": logprobs}, [[r.slot for r in results], [r.token for r in results]]
+
+
+def results_from_wire(meta: dict, arrays: list) -> list[Sampled]:
+    logprobs = {slot: {int(t): lp for t, lp in pairs} for slot, pairs in meta["logprobs"]}
+    return [Sampled(slot, token, logprobs.get(slot)) for slot, token in zip(arrays[0].tolist(), arrays[1].tolist())]

@@ -45,30 +45,48 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
+_our_ports: set[str] = set()
+
+
+def _our_segments() -> set[str]:
+    """Segments of servers this pytest process named: a suite running beside it is not ours."""
+    return {s for s in list_segments() if any(s.startswith(server_prefix(p)) for p in _our_ports)}
+
+
 @pytest.fixture(autouse=True)
 def leak_guard() -> Iterator[None]:
-    before = set(list_segments())
+    """Whatever a test starts (processes, segments) must be gone when it ends; servers shared by
+    the whole session existed before the test and are checked when the session ends."""
+    segments_before = _our_segments()
+    children_before = {p.pid for p in _our_children()}
+    new_children = lambda: [p for p in _our_children() if p.pid not in children_before]  # noqa: E731
     yield
     try:
-        wait_for(lambda: not _our_children(), 10, "child processes to exit")
+        wait_for(lambda: not new_children(), 10, "child processes to exit")
     except AssertionError:
-        stray = _our_children()
+        stray = new_children()
         for proc in stray:
             proc.kill()
         pytest.fail(f"test left child processes: {[(p.pid, _cmdline(p)) for p in stray]}")
-    leaked = sorted(set(list_segments()) - before)
+    leaked = sorted(_our_segments() - segments_before)
     if leaked:
         for name in leaked:
             remove_segments(name)
         pytest.fail(f"test left shared-memory segments: {leaked}")
 
 
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    _our_ports.add(str(port))
+    return port
+
+
 @pytest.fixture
 def server() -> str:
     """A free TCP port, used as the server name that prefixes every segment."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
+    port = str(free_port())
     assert not list_segments(server_prefix(port))
     return port
 
@@ -157,6 +175,86 @@ def tiny_model(tmp_path_factory) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from runtime.default_model import default_model_dir
+    from runtime.model_source import default_model_dir
 
     return default_model_dir()
+
+
+@dataclass
+class Server:
+    """A real `ringllm serve` process."""
+
+    port: int
+    model: str
+    proc: subprocess.Popen
+    log: Path
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def get(self, path: str) -> dict:
+        """The JSON body of a GET, whatever its status (a 503 from /health is an answer too)."""
+        import urllib.error
+        import urllib.request
+
+        try:
+            with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:
+                return orjson.loads(reply.read())
+        except urllib.error.HTTPError as reply:
+            return orjson.loads(reply.read())
+
+    def used_pages(self) -> int:
+        return self.get("/server_info")["scheduler"]["used_pages"]
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 30) -> float:
+        """Signal it and wait; returns the seconds it took to exit."""
+        started = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+            raise AssertionError(f"ringllm serve ignored signal {sig} for {timeout} s")
+        return time.monotonic() - started
+
+
+def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Server:
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model_dir), "--served-model-name", model,
+             "--port", str(port), *args],
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        )
+    server = Server(port, model, proc, log)
+    try:
+        wait_for(lambda: proc.poll() is not None or b'"topology_ready"' in log.read_bytes(), 180, "the server to be ready")
+        assert proc.poll() is None, log.read_text()[-5000:]
+    except BaseException:
+        server.stop(signal.SIGKILL)
+        raise
+    return server
+
+
+@pytest.fixture(scope="session")
+def smol_server(smollm2: Path, tmp_path_factory) -> Iterator[Server]:
+    """SmolLM2-135M-Instruct behind two api workers, shared by the whole session."""
+    server = launch(smollm2, tmp_path_factory.mktemp("smol") / "serve.log", "--api-workers", "2", model="smollm2")
+    yield server
+    server.stop()
+    assert not list_segments(server_prefix(str(server.port)))
+
+
+def with_tokenizer(model_dir: Path, tokenizer_dir: Path, into: Path) -> Path:
+    """A copy of a tokenizer-less tiny model that borrows SmolLM2's tokenizer, for serving."""
+    import shutil
+
+    into.mkdir(parents=True, exist_ok=True)
+    for item in model_dir.iterdir():
+        shutil.copy(item, into / item.name)
+    for item in tokenizer_dir.glob("tokenizer*"):
+        shutil.copy(item, into / item.name)
+    return into

@@ -152,3 +152,16 @@ def test_spin_adapts_to_the_core_count(monkeypatch):
     monkeypatch.delenv("RINGLLM_SPIN_US", raising=False)
     assert spin_budget_ns(1) == 0  # on one core a spinning waiter only delays its peer
     assert 0 < spin_budget_ns(2) < spin_budget_ns(4) <= spin_budget_ns(64)
+
+
+async def test_tasks_sharing_a_writer_all_get_through_a_full_ring(make_ring):
+    _, writer, reader = make_ring(frame_size(100) * 2)
+    senders = [asyncio.create_task(writer.send_async(1, i, bytes(100), timeout=10)) for i in range(20)]
+    await asyncio.sleep(0.05)  # most of them now wait for space
+    received = []
+    while len(received) < 20:
+        frame = await reader.recv_async(timeout=5)
+        assert frame is not None, f"stalled after {len(received)} frames"
+        received.append(frame.rid)
+    await asyncio.gather(*senders)
+    assert sorted(received) == list(range(20))

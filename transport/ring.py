@@ -16,10 +16,13 @@ kept in order, which x86-64 (TSO) guarantees and Python cannot request with a fe
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import itertools
 import platform
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,6 +41,7 @@ _WRITER_ASLEEP = 192
 _DATA = 256
 
 _TSO_MACHINES = {"x86_64", "amd64", "i386", "i686"}
+_rotation = itertools.count()
 
 
 def frame_size(length: int) -> int:
@@ -139,6 +143,7 @@ class RingWriter(_End):
         self._wpos = self._write_pos.value  # a restarted writer resumes after the last published frame
         self._read_seen = self._read_pos.value
         self._reserved: tuple[int, int, int] | None = None
+        self._space_lock: asyncio.Lock | None = None
 
     def _has_room(self, size: int) -> bool:
         """Reload the reader's position only when the cached one says no: fewer cross-core misses."""
@@ -177,16 +182,24 @@ class RingWriter(_End):
     def reserve(self, length: int, timeout: float | None = None) -> memoryview:
         """Space for a payload, written in place; publish it with `commit`."""
         self._check_fits(length)
-        if not wait_until(lambda: self._try_reserve(length), self._writer_asleep, self.handle.space_bell, timeout):
+        if not wait_until(lambda: self._try_reserve(length), (self._writer_asleep,), (self.handle.space_bell,), timeout):
             raise TimeoutError(f"ring {self.handle.name} stayed full for {timeout} s")
         return self._reserved_view()
 
     async def reserve_async(self, length: int, timeout: float | None = None) -> memoryview:
+        """Tasks of one loop may share this end: those that must wait for space queue on a lock, as
+        only one waiter can own the space doorbell's reader callback at a time. Reserve and commit
+        with no await between them."""
         self._check_fits(length)
-        ready = lambda: self._try_reserve(length)  # noqa: E731
-        if not await wait_until_async(ready, self._writer_asleep, self.handle.space_bell, timeout):
-            raise TimeoutError(f"ring {self.handle.name} stayed full for {timeout} s")
-        return self._reserved_view()
+        if self._try_reserve(length):
+            return self._reserved_view()
+        if self._space_lock is None:
+            self._space_lock = asyncio.Lock()
+        async with self._space_lock:
+            ready = lambda: self._try_reserve(length)  # noqa: E731
+            if not await wait_until_async(ready, (self._writer_asleep,), (self.handle.space_bell,), timeout):
+                raise TimeoutError(f"ring {self.handle.name} stayed full for {timeout} s")
+            return self._reserved_view()
 
     def commit(self, kind: int, rid: int, epoch: int = 0) -> None:
         offset, length, size = self._reserved
@@ -254,13 +267,29 @@ class RingReader(_End):
         """The next frame, waiting up to `timeout` seconds (None: forever); None on timeout."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while (frame := self.try_recv()) is None:
-            if not wait_until(self._readable, self._reader_asleep, self.handle.data_bell, _left(deadline)):
+            if not wait_until(self._readable, (self._reader_asleep,), (self.handle.data_bell,), _left(deadline)):
                 return None
         return frame
 
     async def recv_async(self, timeout: float | None = None) -> Frame | None:
         deadline = None if timeout is None else time.monotonic() + timeout
         while (frame := self.try_recv()) is None:
-            if not await wait_until_async(self._readable, self._reader_asleep, self.handle.data_bell, _left(deadline)):
+            if not await wait_until_async(self._readable, (self._reader_asleep,), (self.handle.data_bell,), _left(deadline)):
                 return None
         return frame
+
+
+async def recv_any_async(readers: Sequence[RingReader], timeout: float | None = None) -> tuple[int, Frame] | None:
+    """The next frame from any of `readers`, taken round-robin from where the last call stopped;
+    returns (index of its reader, frame), or None on timeout."""
+    start = next(_rotation) % len(readers)
+    order = readers[start:] + readers[:start]
+    deadline = None if timeout is None else time.monotonic() + timeout
+    while True:
+        for reader in order:
+            if (frame := reader.try_recv()) is not None:
+                return readers.index(reader), frame
+        ready = lambda: any(r._readable() for r in readers)  # noqa: E731
+        flags = [r._reader_asleep for r in readers]
+        if not await wait_until_async(ready, flags, [r.handle.data_bell for r in readers], _left(deadline)):
+            return None

@@ -15,7 +15,7 @@ import ctypes
 import os
 import select
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import DupFd
 
 FIRST_NAP_S = 0.001
@@ -50,22 +50,8 @@ class Doorbell:
         with contextlib.suppress(BlockingIOError):
             os.eventfd_read(self.fd)
 
-    def sleep(self, timeout: float | None) -> None:
-        self._poll.poll(None if timeout is None else timeout * 1000)
-        self.drain()
-
     async def sleep_async(self, timeout: float | None) -> None:
-        loop = asyncio.get_running_loop()
-        woken = loop.create_future()
-        loop.add_reader(self.fd, _resolve, woken)
-        timer = None if timeout is None else loop.call_later(timeout, _resolve, woken)
-        try:
-            await woken
-        finally:
-            loop.remove_reader(self.fd)
-            if timer is not None:
-                timer.cancel()
-        self.drain()
+        await sleep_any_async((self,), timeout)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -87,7 +73,7 @@ def ring_if_asleep(flag: ctypes.c_uint32, bell: Doorbell) -> None:
         bell.ring()
 
 
-def _naps(ready: Callable[[], bool], flag: ctypes.c_uint32, timeout: float | None) -> Iterator[float | None]:
+def _naps(ready: Callable[[], bool], flags: Sequence[ctypes.c_uint32], timeout: float | None) -> Iterator[float | None]:
     """The wait policy shared by the blocking and asyncio waits: yields how long to sleep next
     (None: until rung) and stops once `ready()` holds or the timeout has passed."""
     spin_end = time.perf_counter_ns() + SPIN_NS
@@ -98,7 +84,8 @@ def _naps(ready: Callable[[], bool], flag: ctypes.c_uint32, timeout: float | Non
     nap: float | None = FIRST_NAP_S
     try:
         while True:
-            flag.value = 1
+            for flag in flags:
+                flag.value = 1
             if ready():
                 return
             if deadline is not None:
@@ -109,24 +96,56 @@ def _naps(ready: Callable[[], bool], flag: ctypes.c_uint32, timeout: float | Non
             yield nap
             nap = None
     finally:
-        flag.value = 0
+        for flag in flags:
+            flag.value = 0
 
 
-def wait_until(ready: Callable[[], bool], flag: ctypes.c_uint32, bell: Doorbell, timeout: float | None = None) -> bool:
+def wait_until(
+    ready: Callable[[], bool], flags: Sequence[ctypes.c_uint32], bells: Sequence[Doorbell], timeout: float | None = None
+) -> bool:
+    """Wait for `ready()`; each flag asks its peer to ring the matching bell."""
     if ready():
         return True
-    with contextlib.closing(_naps(ready, flag, timeout)) as naps:
+    poll = bells[0]._poll if len(bells) == 1 else _poll_of(bells)
+    with contextlib.closing(_naps(ready, flags, timeout)) as naps:
         for nap in naps:
-            bell.sleep(nap)
+            poll.poll(None if nap is None else nap * 1000)
+            for bell in bells:
+                bell.drain()
     return ready()
 
 
 async def wait_until_async(
-    ready: Callable[[], bool], flag: ctypes.c_uint32, bell: Doorbell, timeout: float | None = None
+    ready: Callable[[], bool], flags: Sequence[ctypes.c_uint32], bells: Sequence[Doorbell], timeout: float | None = None
 ) -> bool:
     if ready():
         return True
-    with contextlib.closing(_naps(ready, flag, timeout)) as naps:
+    with contextlib.closing(_naps(ready, flags, timeout)) as naps:
         for nap in naps:
-            await bell.sleep_async(nap)
+            await sleep_any_async(bells, nap)
     return ready()
+
+
+def _poll_of(bells: Sequence[Doorbell]) -> select.poll:
+    poll = select.poll()
+    for bell in bells:
+        poll.register(bell.fd, select.POLLIN)
+    return poll
+
+
+async def sleep_any_async(bells: Sequence[Doorbell], timeout: float | None) -> None:
+    """Sleep until any bell rings or the timeout passes, then drain every bell."""
+    loop = asyncio.get_running_loop()
+    woken = loop.create_future()
+    for bell in bells:
+        loop.add_reader(bell.fd, _resolve, woken)
+    timer = None if timeout is None else loop.call_later(timeout, _resolve, woken)
+    try:
+        await woken
+    finally:
+        for bell in bells:
+            loop.remove_reader(bell.fd)
+        if timer is not None:
+            timer.cancel()
+    for bell in bells:
+        bell.drain()

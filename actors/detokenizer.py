@@ -1,0 +1,111 @@
+"""The detokenizer actor: incremental, UTF-8-safe text; stop strings across chunks; logprob text.
+
+Everything it keeps per request can be rebuilt from token ids, so a replay restores it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+from actors.base import Actor
+from actors.kinds import Kind, worker_of
+from actors.tokenizer import load_tokenizer
+from transport.codec import unpack
+
+REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
+
+
+@dataclass
+class Stream:
+    stop: list[str]
+    skip_special_tokens: bool
+    top_logprobs: int
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # decode from here for context...
+    read_offset: int = 0  # ...and emit what lies beyond here
+    held: str = ""  # text that may be the start of a stop string
+    completion_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """How many trailing characters of `text` could begin a stop string."""
+    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+
+
+class DetokenizerActor(Actor):
+    async def setup(self) -> None:
+        self.tokenizer = load_tokenizer(self.options["serve"].model_dir)
+        self.on_epoch(self.epoch)
+
+    def on_epoch(self, epoch: int) -> None:
+        self.streams: dict[int, Stream] = {}
+
+    async def run(self) -> None:
+        while True:
+            _, frame = await self.next_frame()
+            meta, arrays = unpack(frame)
+            if frame.kind == Kind.ERROR:
+                self.streams.pop(frame.rid, None)
+                await self.send(f"api{worker_of(frame.rid)}", Kind.DELTAS, 0, {"deltas": [{"rid": frame.rid, "error": meta}]})
+                continue
+            by_worker: dict[int, list[dict]] = defaultdict(list)
+            tokens = iter(arrays[0].tolist())
+            for item in meta["items"]:
+                new = [next(tokens) for _ in range(item["n"])]
+                if (delta := self._apply(item, new)) is not None:
+                    by_worker[worker_of(item["rid"])].append(delta)
+            for worker, deltas in by_worker.items():
+                await self.send(f"api{worker}", Kind.DELTAS, 0, {"deltas": deltas})
+
+    def _apply(self, item: dict, new: list[int]) -> dict | None:
+        rid = item["rid"]
+        if "detok" in item:
+            detok = item["detok"]
+            self.streams[rid] = Stream(detok["stop"], detok["skip_special_tokens"], detok["top_logprobs"],
+                                       prompt_tokens=item["prompt_tokens"], cached_tokens=item["cached_tokens"])
+        stream = self.streams.get(rid)
+        if stream is None:  # finished here already (a stop string), or aborted
+            return None
+        finish = item["finish"]
+        stream.completion_tokens += len(new)
+        if finish == "stop" and new:  # the stop token (EOS or a stop id) leaves no text, as in vLLM
+            stream.ids += new[:-1]
+        else:
+            stream.ids += new
+        text = stream.held + self._decode_new(stream)
+        if (cut := min((i for s in stream.stop if (i := text.find(s)) >= 0), default=-1)) >= 0:
+            text, finish = text[:cut], "stop"
+            stream.held = ""
+        elif finish is None:
+            keep = held_back(text, stream.stop)
+            text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
+        delta = {"rid": rid, "text": text, "token_ids": new, "finish": finish}
+        if finish is not None and item["finish"] is None:
+            delta["abort"] = True  # a stop string ended it here: the scheduler must let go too
+        if "logprobs" in item:
+            delta["logprobs"] = self._logprob_entries(new, item["logprobs"], stream.top_logprobs)
+        if finish is not None:
+            del self.streams[rid]
+            delta["usage"] = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+                              "cached_tokens": stream.cached_tokens}
+        return delta
+
+    def _decode_new(self, stream: Stream) -> str:
+        """Text of the newest ids, held back while it ends inside a multi-byte character."""
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=stream.skip_special_tokens)  # noqa: E731
+        before = decode(stream.ids[stream.prefix_offset : stream.read_offset])
+        after = decode(stream.ids[stream.prefix_offset :])
+        if len(after) <= len(before) or after.endswith(REPLACEMENT):
+            return ""
+        stream.prefix_offset, stream.read_offset = stream.read_offset, len(stream.ids)
+        return after[len(before) :]
+
+    def _logprob_entries(self, new: list[int], top: list, keep: int) -> list[dict]:
+        """The sampled token's log-probability, and the `keep` best alternatives with their text."""
+        text = lambda t: self.tokenizer.decode([t])  # noqa: E731
+        ranked = sorted(((int(i), lp) for i, lp in top), key=lambda pair: -pair[1])
+        return [{"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": [[i, text(i), lp] for i, lp in ranked[:keep]]}
+                for t in new]

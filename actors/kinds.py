@@ -1,0 +1,23 @@
+"""Frame kinds on the pipeline's rings (0 is the ring's own filler)."""
+
+from enum import IntEnum
+
+
+class Kind(IntEnum):
+    SUBMIT = 1  # api worker → tokenizer: a request to tokenize
+    ABORT = 2  # api worker → tokenizer → scheduler: drop a request
+    REQUEST = 3  # tokenizer → scheduler: a tokenized request
+    ERROR = 4  # tokenizer or scheduler → detokenizer → api worker: a request refused
+    STEP = 5  # scheduler → engine: a step plan
+    SAMPLED = 6  # engine → scheduler: the tokens a step sampled
+    TOKENS = 7  # scheduler → detokenizer: new tokens and finishes, one frame per step
+    DELTAS = 8  # detokenizer → api worker: text deltas, one frame per step
+
+
+def worker_of(rid: int) -> int:
+    """A request id carries the index of the api worker that owns it in its top 16 bits."""
+    return rid >> 48
+
+
+def make_rid(worker: int, counter: int) -> int:
+    return (worker << 48) | counter

@@ -1,0 +1,43 @@
+"""The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from actors.topology import ActorSpec, Edge, Topology
+from runtime.config import EngineConfig
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_dir: str
+    served_model_name: str
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_workers: int = 1
+    engine: EngineConfig = field(default_factory=EngineConfig)
+
+
+def api_worker_names(config: ServeConfig) -> list[str]:
+    return [f"api{i}" for i in range(config.api_workers)]
+
+
+def pipeline(config: ServeConfig) -> Topology:
+    options = {"serve": config}
+    workers = api_worker_names(config)
+    actors = (
+        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options),
+        ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
+        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True),
+        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options),
+        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}) for i, name in enumerate(workers)),
+    )
+    edges = (
+        *(Edge(name, "tokenizer") for name in workers),
+        Edge("tokenizer", "scheduler", 16 << 20),
+        Edge("scheduler", "engine", 16 << 20),  # a plan carries the histories of the slots it opens
+        Edge("engine", "scheduler"),
+        Edge("scheduler", "detokenizer"),
+        *(Edge("detokenizer", name) for name in workers),
+    )
+    return Topology(server=str(config.port), actors=actors, edges=edges)

@@ -1,0 +1,97 @@
+"""The scheduler actor: runtime.Scheduler over rings, with up to two steps in flight.
+
+It plans step i+1 while the engine runs step i (the engine feeds decodes their own last sampled
+token), then turns each step's results into one TOKENS frame for the detokenizer.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from pathlib import Path
+
+import structlog
+
+from actors.base import Actor
+from actors.kinds import Kind
+from runtime.config import ModelConfig
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler import Request, Scheduler
+from runtime.step import plan_to_wire, results_from_wire
+from transport.codec import unpack
+from transport.ring import Frame
+
+log = structlog.get_logger()
+MAX_IN_FLIGHT = 2
+
+
+class SchedulerActor(Actor):
+    async def setup(self) -> None:
+        serve = self.options["serve"]
+        model = ModelConfig.load(Path(serve.model_dir))
+        self.engine_config = serve.engine
+        self.eos, self.max_position = model.eos_token_ids, model.max_position
+        self.on_epoch(self.epoch)
+
+    def on_epoch(self, epoch: int) -> None:
+        self.core = Scheduler(self.engine_config, self.engine_config.kv_pages(), self.eos, self.max_position)
+        self.announce: dict[int, dict] = {}  # what the detokenizer needs with a request's first tokens
+        self.in_flight: deque[int] = deque()
+
+    async def run(self) -> None:
+        while True:
+            while (got := self.poll_frame()) is not None:
+                await self._handle(*got)
+            if len(self.in_flight) < MAX_IN_FLIGHT and (plan := self.core.schedule()):
+                meta, arrays = plan_to_wire(plan)
+                await self.send("engine", Kind.STEP, plan.step, meta, arrays)
+                self.in_flight.append(plan.step)
+                self._publish_gauges()
+                continue
+            await self._handle(*await self.next_frame())
+
+    async def _handle(self, peer: str, frame: Frame) -> None:
+        meta, arrays = unpack(frame)
+        if frame.kind == Kind.REQUEST:
+            params = SamplingParams(**meta["params"])
+            try:
+                self.core.add(frame.rid, arrays[0].tolist(), params)
+            except ValueError as exc:
+                await self.send("detokenizer", Kind.ERROR, frame.rid, {"message": str(exc), "status": 400})
+                return
+            self.announce[frame.rid] = meta["detok"]
+        elif frame.kind == Kind.ABORT:
+            if (request := self.core.abort(frame.rid)) is not None:
+                await self._emit([request])
+        elif frame.kind == Kind.ERROR:
+            await self.send("detokenizer", Kind.ERROR, frame.rid, meta)
+        elif frame.kind == Kind.SAMPLED:
+            self.in_flight.remove(meta["step"])
+            await self._emit(self.core.update(meta["step"], results_from_wire(meta, arrays)))
+        self._publish_gauges()
+
+    async def _emit(self, requests: list[Request]) -> None:
+        """One frame per step: each request's newest token, and its finish reason if it finished."""
+        if not requests:
+            return
+        items, tokens = [], []
+        for request in requests:
+            item = {"rid": request.rid, "finish": request.finish_reason}
+            if request.rid in self.announce:  # first tokens: what the detokenizer must know
+                item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
+                            cached_tokens=request.cached_tokens)
+            if request.finish_reason == "abort":
+                item["n"] = 0
+            else:
+                item["n"] = 1
+                tokens.append(request.output_ids[-1])
+                if request.params.logprobs is not None:
+                    item["logprobs"] = list(request.logprobs[-1].items())
+            if request.finish_reason is not None:
+                self.announce.pop(request.rid, None)
+            items.append(item)
+        await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens])
+
+    def _publish_gauges(self) -> None:
+        core = self.core
+        self.slot["gauges"][:5] = (core.used_pages(), core.allocator.num_pages, len(core.running), len(core.waiting),
+                                   core.cache.cached_pages if core.cache else 0)

@@ -1,0 +1,82 @@
+"""The tokenizer actor: chat templates and batch encoding of everything that is waiting.
+
+Stateless: each frame is a whole request, and the result goes straight on to the scheduler.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+
+from actors.base import Actor
+from actors.kinds import Kind
+from runtime.config import ModelConfig
+from transport.codec import unpack
+
+log = structlog.get_logger()
+
+
+def load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+class TokenizerActor(Actor):
+    async def setup(self) -> None:
+        serve = self.options["serve"]
+        self.tokenizer = load_tokenizer(serve.model_dir)
+        model = ModelConfig.load(Path(serve.model_dir))
+        self.max_position, self.vocab_size = model.max_position, model.vocab_size
+
+    async def run(self) -> None:
+        while True:
+            batch = [await self.next_frame()]
+            while (more := self.poll_frame()) is not None:  # encode all that waits in one call
+                batch.append(more)
+            submissions = []
+            for _, frame in batch:
+                meta, arrays = unpack(frame)
+                if frame.kind == Kind.ABORT:
+                    await self.send("scheduler", Kind.ABORT, frame.rid, {})
+                else:
+                    submissions.append((frame.rid, meta, arrays[0].tolist() if arrays else None))
+            if submissions:
+                await self._tokenize(submissions)
+
+    async def _tokenize(self, submissions: list) -> None:
+        texts, todo = [], []
+        for rid, meta, ids in submissions:
+            if ids is None:
+                try:
+                    texts.append(self._text_of(meta))
+                except Exception as exc:  # a template that rejects the messages
+                    await self._refuse(rid, f"the chat template failed: {exc}")
+                    continue
+            todo.append((rid, meta, ids))
+        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+        for rid, meta, ids in todo:
+            ids = ids if ids is not None else next(encoded)
+            limit = self.max_position
+            if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
+                meta["params"]["max_tokens"] = max(1, limit - len(ids))
+            if not ids:
+                await self._refuse(rid, "the prompt is empty")
+            elif max(ids) >= self.vocab_size:
+                await self._refuse(rid, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
+            elif len(ids) + meta["params"]["max_tokens"] > limit:
+                await self._refuse(
+                    rid, f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} and "
+                    f"max_tokens asks for {meta['params']['max_tokens']} more", param="max_tokens",
+                )
+            else:
+                await self.send("scheduler", Kind.REQUEST, rid, meta, [ids])
+
+    def _text_of(self, meta: dict) -> str:
+        if meta.get("messages") is not None:
+            return self.tokenizer.apply_chat_template(meta["messages"], add_generation_prompt=True, tokenize=False)
+        return meta["prompt"]
+
+    async def _refuse(self, rid: int, message: str, param: str | None = None) -> None:
+        await self.send("scheduler", Kind.ERROR, rid, {"message": message, "param": param, "status": 400})

@@ -1,0 +1,197 @@
+"""The aiohttp application: OpenAI-compatible routes over a Gateway to the pipeline."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import orjson
+import structlog
+from aiohttp import web
+from aiohttp.web_protocol import RequestPayloadError
+
+from api.protocol import ApiError, Completion, choice, envelope, logprobs_block, parse, usage
+
+log = structlog.get_logger()
+VERSION = "0.1.0"
+MAX_BODY_BYTES = 8 << 20
+
+
+class Gateway(Protocol):
+    """What the app needs of its api worker."""
+
+    served_model: str
+    max_model_len: int
+
+    async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int: ...
+
+    async def abort(self, rid: int) -> None: ...
+
+    def healthy(self) -> bool: ...
+
+    def server_info(self) -> dict: ...
+
+
+def _json(body: dict, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler):
+    """Every failure leaves as OpenAI's error body: ours with their status, aiohttp's too."""
+    try:
+        return await handler(request)
+    except ApiError as exc:
+        return _json(exc.body(), exc.status)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return _json(ApiError(exc.reason, exc.status, kind="invalid_request_error" if exc.status < 500 else "server_error").body(), exc.status)
+    except RequestPayloadError as exc:  # a body that its Content-Encoding cannot decode
+        return _json(ApiError(f"the request body could not be read: {exc}").body(), 400)
+    except Exception as exc:  # a bug of ours: still an OpenAI-shaped answer, and the worker lives on
+        log.exception("handler_failed", path=request.path)
+        return _json(ApiError(f"internal error: {type(exc).__name__}", 500, kind="server_error").body(), 500)
+
+
+def _raise_if_refused(delta: dict) -> None:
+    if "error" in delta:
+        error = delta["error"]
+        raise ApiError(error["message"], error.get("status", 400), param=error.get("param"))
+
+
+@dataclass
+class ChoiceState:
+    index: int
+    text: list[str] = field(default_factory=list)
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    finish: str | None = None
+    usage: dict | None = None
+    started: bool = False
+    token_chars: int = 0  # length of the token texts so far: where the next logprob's text_offset starts
+
+
+class Handlers:
+    def __init__(self, gateway: Gateway) -> None:
+        self.gateway = gateway
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=True)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._complete(request, chat=False)
+
+    async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        try:
+            body = orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
+        c = parse(body, chat, self.gateway.served_model)
+        inbox: asyncio.Queue = asyncio.Queue()
+        choices: dict[int, ChoiceState] = {}
+        try:
+            for p, prompt in enumerate(c.prompts):
+                for j in range(c.n):
+                    seed = c.params["seed"]
+                    params = {**c.params, "seed": None if seed is None else (seed + j) % 2**63}
+                    detok = {"stop": c.stop, "skip_special_tokens": c.skip_special_tokens, "top_logprobs": c.logprobs or 0}
+                    meta = {"params": params, "detok": detok,
+                            "messages": prompt.get("messages"), "prompt": prompt.get("prompt")}
+                    rid = await self.gateway.submit(meta, prompt.get("ids"), inbox)
+                    choices[rid] = ChoiceState(index=p * c.n + j)
+            if c.stream:
+                return await self._stream(request, c, inbox, choices)
+            while any(s.finish is None for s in choices.values()):
+                self._absorb(await inbox.get(), choices)
+            return _json(self._whole(c, choices))
+        finally:
+            for rid, state in choices.items():
+                if state.finish is None:  # the client left, or a sibling failed
+                    await self.gateway.abort(rid)
+
+    @staticmethod
+    def _absorb(delta: dict, choices: dict[int, ChoiceState]) -> ChoiceState:
+        _raise_if_refused(delta)
+        state = choices[delta["rid"]]
+        state.text.append(delta["text"])
+        state.token_ids += delta["token_ids"]
+        state.logprobs += delta.get("logprobs", [])
+        state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))
+        if delta["finish"] is not None:
+            state.finish, state.usage = delta["finish"], delta["usage"]
+        return state
+
+    def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
+        states = list(choices.values())
+        firsts = [s for s in states if s.index % c.n == 0]  # a prompt counts once, however many choices
+        return usage(sum(s.usage["prompt_tokens"] for s in firsts), sum(s.usage["completion_tokens"] for s in states),
+                     sum(s.usage["cached_tokens"] for s in firsts))
+
+    def _whole(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
+        out = []
+        for s in sorted(choices.values(), key=lambda s: s.index):
+            logprobs = logprobs_block(c.chat, s.logprobs, 0) if c.logprobs is not None else None
+            out.append(choice(c, s.index, "".join(s.text), s.finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False))
+        return {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
+
+    async def _stream(self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState]) -> web.StreamResponse:
+        first = await inbox.get()  # a refusal before any token is still a plain HTTP error
+        _raise_if_refused(first)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        delta: dict | None = first
+        try:
+            while delta is not None:
+                offset = choices[delta["rid"]].token_chars if delta.get("rid") in choices else 0
+                state = self._absorb(delta, choices)
+                chunk = envelope(c, chunk=True)
+                logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None
+                token_ids = delta["token_ids"] if c.echo_token_ids else None
+                chunk["choices"] = [choice(c, state.index, delta["text"], state.finish, logprobs, token_ids, delta=True, first=not state.started)]
+                state.started = True
+                if c.include_usage:
+                    chunk["usage"] = None
+                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                delta = await inbox.get() if any(s.finish is None for s in choices.values()) else None
+        except ApiError as exc:  # after the stream began: an error event, then the end
+            await response.write(b"data: " + orjson.dumps(exc.body()) + b"\n\n")
+            return response
+        except ConnectionResetError:  # the client left; the caller's finally aborts what is unfinished
+            return response
+        if c.include_usage:
+            await response.write(b"data: " + orjson.dumps({**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}) + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        model = {"id": self.gateway.served_model, "object": "model", "created": int(time.time()), "owned_by": "ringllm",
+                 "max_model_len": self.gateway.max_model_len}
+        return _json({"object": "list", "data": [model]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        healthy = self.gateway.healthy()
+        return _json({"status": "ok" if healthy else "unavailable"}, 200 if healthy else 503)
+
+    async def version(self, request: web.Request) -> web.Response:
+        return _json({"version": VERSION})
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        return _json(self.gateway.server_info())
+
+
+def build_app(gateway: Gateway) -> web.Application:
+    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    h = Handlers(gateway)
+    app.add_routes([
+        web.post("/v1/chat/completions", h.chat),
+        web.post("/v1/completions", h.completions),
+        web.get("/v1/models", h.models),
+        web.get("/health", h.health),
+        web.get("/version", h.version),
+        web.get("/server_info", h.server_info),
+    ])
+    return app

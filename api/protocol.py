@@ -1,0 +1,209 @@
+"""The OpenAI protocol: request validation into one internal form, and response shapes.
+
+Every validation failure is an ApiError, which the app turns into OpenAI's error body with a 4xx
+status; nothing a client sends can reach the pipeline malformed.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+MAX_N = 64
+MAX_LOGPROBS = 20
+MAX_STOPS = 16
+ROLES = {"system", "user", "assistant", "developer", "tool"}
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "tools": []}
+
+
+class ApiError(Exception):
+    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class Completion:
+    """One validated request: its prompts, and the sampling that applies to each of n choices."""
+
+    chat: bool
+    model: str
+    prompts: list[dict]  # each {"messages": ...} | {"prompt": str} | {"ids": [...]}
+    params: dict[str, Any]  # SamplingParams fields; max_tokens may be None (the rest of the context)
+    n: int = 1
+    stream: bool = False
+    include_usage: bool = False
+    stop: list[str] = field(default_factory=list)
+    logprobs: int | None = None  # top-N per token; 0 asks for the chosen token's only
+    echo_token_ids: bool = False
+    skip_special_tokens: bool = True
+    id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, check=None, why: str = "") -> Any:
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+        names = " or ".join(k.__name__.replace("str", "string").replace("int", "integer").replace("float", "number") for k in kinds)
+        raise ApiError(f"'{name}' must be {names}", param=name)
+    if check is not None and not check(value):
+        raise ApiError(f"'{name}' {why}", param=name)
+    return value
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+
+
+def _messages(body: dict) -> list[dict]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError("'messages' must be a non-empty list", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str) or message["role"] not in ROLES:
+            raise ApiError(f"messages[{i}] needs a 'role' among {sorted(ROLES)}", param=f"messages[{i}].role")
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ApiError(f"messages[{i}].content parts must be {{'type': 'text', 'text': ...}}", param=f"messages[{i}].content")
+                texts.append(part["text"])
+            content = "".join(texts)
+        elif content is None and message["role"] == "assistant":
+            content = ""
+        elif not isinstance(content, str):
+            raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
+        out.append({"role": message["role"], "content": content})
+    return out
+
+
+def _prompts(body: dict) -> list[dict]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [{"prompt": prompt}]
+    if _is_token_list(prompt):
+        return [{"ids": prompt}]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [{"prompt": p} for p in prompt]
+    if isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
+        return [{"ids": p} for p in prompt]
+    raise ApiError("'prompt' must be a string, a list of strings, or (lists of) token ids", param="prompt")
+
+
+def parse(body: Any, chat: bool, served_model: str) -> Completion:
+    if not isinstance(body, dict):
+        raise ApiError("the request body must be a JSON object")
+    model = _get(body, "model", (str,))
+    if model is None:
+        raise ApiError("'model' is required", param="model")
+    if model != served_model:
+        raise ApiError(f"the model '{model}' does not exist; this server serves '{served_model}'", status=404,
+                       param="model", code="model_not_found", kind="NotFoundError")
+    for name, default in UNSUPPORTED.items():
+        if body.get(name, default) not in (default, None):
+            raise ApiError(f"'{name}' is not supported by this server", param=name)
+    prompts = [{"messages": _messages(body)}] if chat else _prompts(body)
+    positive = dict(check=lambda v: v >= 1, why="must be at least 1")
+    max_tokens = _get(body, "max_tokens", (int,), **positive)
+    if chat and (newer := _get(body, "max_completion_tokens", (int,), **positive)) is not None:
+        max_tokens = newer  # OpenAI's newer name wins
+    if not chat and max_tokens is None:
+        max_tokens = 16  # OpenAI's default for completions
+    stop = _get(body, "stop", (str, list), default=[])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
+    stop_ids = _get(body, "stop_token_ids", (list,), default=[])
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
+        raise ApiError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    logprobs = _logprobs(body, chat)
+    stream = _get(body, "stream", (bool,), default=False)
+    options = _get(body, "stream_options", (dict,))
+    if options is not None and not stream:
+        raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
+    include_usage = _get(options or {}, "include_usage", (bool,), default=False)
+    params = dict(
+        max_tokens=max_tokens,
+        temperature=_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2"),
+        top_p=_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]"),
+        top_k=_get(body, "top_k", (int,), -1, lambda v: v >= -1, "must be -1 (off) or at least 0"),
+        min_p=_get(body, "min_p", (int, float), 0.0, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
+        seed=_get(body, "seed", (int,), None, lambda v: -(2**63) <= v < 2**63, "must fit in 64 bits"),
+        stop_token_ids=stop_ids,
+        ignore_eos=_get(body, "ignore_eos", (bool,), False),
+        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
+        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
+        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= 2, "must be in (0, 2]"),
+        logprobs=logprobs,
+    )
+    return Completion(
+        chat=chat, model=model, prompts=prompts, params=params, stream=stream, include_usage=include_usage, stop=stop,
+        n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}"),
+        logprobs=logprobs, echo_token_ids=_get(body, "return_token_ids", (bool,), False),
+        skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+    )
+
+
+def _logprobs(body: dict, chat: bool) -> int | None:
+    in_range = dict(check=lambda v: 0 <= v <= MAX_LOGPROBS, why=f"must be between 0 and {MAX_LOGPROBS}")
+    if not chat:
+        return _get(body, "logprobs", (int,), **in_range)
+    top = _get(body, "top_logprobs", (int,), **in_range)
+    if not _get(body, "logprobs", (bool,), False):
+        if top is not None:
+            raise ApiError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")
+        return None
+    return top or 0
+
+
+# -- responses ------------------------------------------------------------------------------
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def logprobs_block(chat: bool, entries: list[dict], text_offset: int) -> dict:
+    """OpenAI's logprobs object for `entries` (one per token: token, logprob, top)."""
+    if chat:
+        def item(token: str, logprob: float) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
+
+        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for _, t, lp in e["top"]]}
+                            for e in entries]}
+    offsets, at = [], text_offset
+    for e in entries:
+        offsets.append(at)
+        at += len(e["token"])
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries], "text_offset": offsets}
+
+
+def envelope(c: Completion, chunk: bool) -> dict:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if c.chat else "text_completion"
+    return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": kind, "created": c.created, "model": c.model}
+
+
+def choice(c: Completion, index: int, text: str, finish: str | None, logprobs: dict | None, token_ids: list[int] | None,
+           delta: bool, first: bool = False) -> dict:
+    if c.chat:
+        body = {"content": text} if delta else {"role": "assistant", "content": text}
+        if delta and first:
+            body = {"role": "assistant", **body}
+        out = {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
+    else:
+        out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if token_ids is not None:
+        out["token_ids"] = token_ids
+    return out

@@ -1,0 +1,197 @@
+"""Bad input over HTTP: every malformed or out-of-range request must get an OpenAI-style error.
+
+Covered: broken JSON and bytes (truncated, garbage, quotes, NaN, BOM, depth, invalid UTF-8, lone
+surrogates, a body that claims gzip, deflate or br), bodies that are not objects, the model field, chat messages
+and content parts, completion prompts (types, token ids outside the vocabulary, over the context),
+max_tokens, every sampling field on both endpoints, logprobs, stop, streaming flags, a body over
+8 MiB, wrong methods and routes. Each case must answer its 4xx status with a JSON body
+{"error": {"message": non-empty str, "type": str, ...}}: a client's mistake must never surface as
+a 5xx, a hang, a plain-text page, or an accepted request. Then all cases at once, after which the
+server must still be up and answer a real question.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+import pytest
+
+VOCAB, CONTEXT = 49152, 8192
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+DROP, MODEL = object(), object()  # a field to leave out; the served model's name
+TIMEOUT = aiohttp.ClientTimeout(total=30)
+
+Body = Callable[[str], bytes]  # the served model's name -> the request's bytes
+
+
+def raw(data: bytes) -> Body:
+    """Bytes as they are; '@MODEL' stands for the served model's name."""
+    return lambda model: data.replace(b"@MODEL", model.encode())
+
+
+def fields(base: dict[str, Any], over: dict[str, Any]) -> Body:
+    body = {k: v for k, v in {"model": MODEL, **base, **over}.items() if v is not DROP}
+    return lambda model: orjson.dumps({k: model if v is MODEL else v for k, v in body.items()})
+
+
+def chat(**over: Any) -> Body:
+    return fields({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}, over)
+
+
+def completion(**over: Any) -> Body:
+    return fields({"prompt": "hi", "max_tokens": 4}, over)
+
+
+def user(content: Any) -> Body:
+    return chat(messages=[{"role": "user", "content": content}])
+
+
+@dataclass(frozen=True)
+class Case:
+    id: str
+    path: str
+    body: Body = field(default=raw(b""), repr=False)
+    status: int = 400
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+LONG_TEXT = " ".join(["word"] * 40_000)
+OVER_8_MIB = b'{"model": "@MODEL", "prompt": "' + b"a" * (9 << 20) + b'"}'
+ENDPOINTS = {"chat": (CHAT, chat), "completions": (COMPLETIONS, completion)}
+
+# Fields both endpoints validate alike: (id, field, bad value).
+SHARED: list[tuple[str, str, Any]] = [
+    ("max_tokens-negative", "max_tokens", -1), ("max_tokens-zero", "max_tokens", 0),
+    ("max_tokens-string", "max_tokens", "16"), ("max_tokens-float", "max_tokens", 1.5),
+    ("max_tokens-bool", "max_tokens", True), ("max_tokens-huge", "max_tokens", 10**9),
+    ("n-zero", "n", 0), ("n-negative", "n", -1), ("n-huge", "n", 1000), ("n-string", "n", "2"),
+    ("temperature-negative", "temperature", -0.5), ("temperature-over-2", "temperature", 2.5),
+    ("temperature-string", "temperature", "hot"), ("top_p-zero", "top_p", 0), ("top_p-over-1", "top_p", 1.5),
+    ("top_k-minus-5", "top_k", -5), ("top_k-float", "top_k", 1.5), ("min_p-2", "min_p", 2),
+    ("presence_penalty-5", "presence_penalty", 5), ("frequency_penalty-minus-3", "frequency_penalty", -3),
+    ("repetition_penalty-zero", "repetition_penalty", 0), ("seed-string", "seed", "42"),
+    ("seed-over-64-bits", "seed", 2**64 - 1), ("stop-number", "stop", 5), ("stop-list-with-number", "stop", ["a", 5]),
+    ("stop-empty-string", "stop", [""]), ("stop-20-strings", "stop", [f"s{i}" for i in range(20)]),
+    ("stop_token_ids-not-list", "stop_token_ids", 5), ("stop_token_ids-strings", "stop_token_ids", ["a"]),
+    ("stream-string", "stream", "yes"), ("stream_options-without-stream", "stream_options", {"include_usage": True}),
+    ("ignore_eos-string", "ignore_eos", "yes"), ("model-wrong-type", "model", 5), ("model-missing", "model", DROP),
+    ("model-unknown", "model", "gpt-4o"),
+]
+
+CASES: list[Case] = [
+    # Broken JSON and bytes.
+    Case("json-truncated", CHAT, raw(b'{"model": "@MODEL", "messages": [')),
+    Case("json-trailing-garbage", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "hi"}]} xyz')),
+    Case("json-single-quotes", COMPLETIONS, raw(b"{'model': '@MODEL', 'prompt': 'hi'}")),
+    Case("json-empty-body-chat", CHAT), Case("json-empty-body-completions", COMPLETIONS),
+    Case("json-nan", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "hi", "temperature": NaN}')),
+    Case("json-trailing-comma", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "hi",}')),
+    Case("json-bom", COMPLETIONS, raw(b'\xef\xbb\xbf{"model": "@MODEL", "prompt": "hi"}')),
+    Case("json-nested-2000-deep", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "hi", "x": ' + b"[" * 2000 + b"]" * 2000 + b"}")),
+    Case("utf8-invalid-in-model", CHAT, raw(b'{"model": "\xff\xfe"}')),
+    Case("utf8-invalid-in-content", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "caf\xc3"}]}')),
+    Case("utf8-overlong-in-prompt", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "\xc0\xaf"}')),
+    Case("utf16-lone-surrogate", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "\\ud800"}]}')),
+    *(Case(f"{coding}-header-on-plain-bytes", COMPLETIONS, completion(), headers={"Content-Encoding": coding})
+      for coding in ("gzip", "deflate", "br")),
+    # Not an object.
+    Case("body-array", CHAT, raw(b'[{"model": "@MODEL"}]')), Case("body-string", CHAT, raw(b'"hello"')),
+    Case("body-number", COMPLETIONS, raw(b"42")), Case("body-null", COMPLETIONS, raw(b"null")),
+    # Chat messages.
+    Case("messages-missing", CHAT, chat(messages=DROP)), Case("messages-empty", CHAT, chat(messages=[])),
+    Case("messages-string", CHAT, chat(messages="hi")), Case("messages-object", CHAT, chat(messages={"role": "user"})),
+    Case("message-not-object", CHAT, chat(messages=["hi"])),
+    Case("message-without-role", CHAT, chat(messages=[{"content": "hi"}])),
+    Case("message-unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}])),
+    Case("message-role-number", CHAT, chat(messages=[{"role": 5, "content": "hi"}])),
+    Case("message-role-list", CHAT, chat(messages=[{"role": ["user"], "content": "hi"}])),
+    Case("message-role-object", CHAT, chat(messages=[{"role": {"name": "user"}, "content": "hi"}])),
+    Case("content-number", CHAT, user(5)), Case("content-object", CHAT, user({"text": "hi"})),
+    Case("content-null-for-user", CHAT, user(None)),
+    Case("content-part-image_url", CHAT, user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])),
+    Case("content-part-without-text", CHAT, user([{"type": "text"}])),
+    Case("content-over-context", CHAT, user(LONG_TEXT)),
+    # Completion prompts.
+    Case("prompt-missing", COMPLETIONS, completion(prompt=DROP)), Case("prompt-empty-list", COMPLETIONS, completion(prompt=[])),
+    Case("prompt-empty-string", COMPLETIONS, completion(prompt="")),
+    Case("prompt-number", COMPLETIONS, completion(prompt=5)), Case("prompt-object", COMPLETIONS, completion(prompt={"text": "hi"})),
+    Case("prompt-mixed-str-int", COMPLETIONS, completion(prompt=["hi", 5])),
+    Case("prompt-bools", COMPLETIONS, completion(prompt=[True, False])),
+    Case("prompt-empty-token-list", COMPLETIONS, completion(prompt=[[]])),
+    Case("token-id-vocab-size", COMPLETIONS, completion(prompt=[VOCAB])),
+    Case("token-id-negative", COMPLETIONS, completion(prompt=[1, -1])),
+    Case("token-id-over-int32", COMPLETIONS, completion(prompt=[2**31])),
+    Case("token-id-out-of-vocab-n2", COMPLETIONS, completion(prompt=[[1, 2], [VOCAB + 7]], n=2)),
+    Case("token-id-out-of-vocab-stream", COMPLETIONS, completion(prompt=[VOCAB], stream=True)),
+    Case("prompt-9000-ids", COMPLETIONS, completion(prompt=[1] * 9000)),
+    Case("prompt-40000-words", COMPLETIONS, completion(prompt=LONG_TEXT)),
+    Case("prompt-plus-max_tokens-over-context", COMPLETIONS, completion(prompt=[1] * (CONTEXT - 192), max_tokens=500)),
+    # max_tokens and logprobs, endpoint-specific.
+    Case("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0)),
+    Case("max_tokens-string-beside-max_completion_tokens", CHAT, chat(max_completion_tokens=2, max_tokens="abc")),
+    Case("chat-logprobs-int", CHAT, chat(logprobs=5)),
+    Case("chat-top_logprobs-without-logprobs", CHAT, chat(top_logprobs=3)),
+    Case("chat-top_logprobs-50", CHAT, chat(logprobs=True, top_logprobs=50)),
+    Case("completions-logprobs-100", COMPLETIONS, completion(logprobs=100)),
+    Case("completions-logprobs-bool", COMPLETIONS, completion(logprobs=True)),
+    Case("stream_options-include_usage-string", CHAT, chat(stream=True, stream_options={"include_usage": "yes"})),
+    # Shared fields, on both endpoints.
+    *(Case(f"{name}-{case_id}", path, make(**{key: value}), 404 if case_id == "model-unknown" else 400)
+      for case_id, key, value in SHARED for name, (path, make) in ENDPOINTS.items()),
+    # HTTP.
+    Case("body-over-8-MiB-chat", CHAT, raw(OVER_8_MIB), 413), Case("body-over-8-MiB-completions", COMPLETIONS, raw(OVER_8_MIB), 413),
+    Case("GET-chat", CHAT, status=405, method="GET"), Case("GET-completions", COMPLETIONS, status=405, method="GET"),
+    Case("PUT-chat", CHAT, chat(), 405, method="PUT"), Case("POST-models", "/v1/models", status=405),
+    Case("DELETE-health", "/health", status=405, method="DELETE"),
+    Case("POST-unknown-route", "/v1/chat/complete", chat(), 404), Case("GET-unknown-route", "/v2/models", status=404, method="GET"),
+]
+
+
+async def send(http: aiohttp.ClientSession, case: Case, model: str) -> tuple[int, bytes]:
+    headers = {"Content-Type": "application/json", **case.headers}
+    async with http.request(case.method, case.path, data=case.body(model), headers=headers) as reply:
+        return reply.status, await reply.read()
+
+
+def check(case: Case, status: int, data: bytes) -> None:
+    shown = data[:300].decode(errors="replace")
+    assert status == case.status, f"{case.id}: expected {case.status}, got {status}: {shown}"
+    try:
+        error = orjson.loads(data)["error"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        raise AssertionError(f"{case.id}: not an OpenAI error body: {shown}") from None
+    assert isinstance(error.get("message"), str) and error["message"], f"{case.id}: {shown}"
+    assert isinstance(error.get("type"), str), f"{case.id}: {shown}"
+
+
+def test_the_table_is_sound() -> None:
+    assert len(CASES) >= 45 and len({c.id for c in CASES}) == len(CASES)
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, id=c.id) for c in CASES])
+async def test_bad_input_gets_an_openai_error(smol_server, case: Case) -> None:
+    async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT) as http:
+        check(case, *await send(http, case, smol_server.model))
+
+
+async def test_all_at_once_then_the_server_still_answers(smol_server) -> None:
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT, connector=connector) as http:
+        replies = await asyncio.gather(*(send(http, c, smol_server.model) for c in CASES), return_exceptions=True)
+        async with http.get("/health") as reply:
+            assert reply.status == 200, await reply.text()
+        question = {"model": smol_server.model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
+                    "temperature": 0, "max_tokens": 16}
+        async with http.post(CHAT, json=question) as reply:
+            assert reply.status == 200, await reply.text()
+            assert "Paris" in (await reply.json())["choices"][0]["message"]["content"]
+    assert smol_server.proc.poll() is None
+    wrong = {c.id: r if isinstance(r, BaseException) else (r[0], r[1][:200])
+             for c, r in zip(CASES, replies) if isinstance(r, BaseException) or not 400 <= r[0] < 500}
+    assert not wrong, f"{len(wrong)} of {len(CASES)} bad requests got no 4xx together: {wrong}"

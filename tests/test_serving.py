@@ -1,0 +1,166 @@
+"""The pipeline served over HTTP: greedy parity with transformers through every process, 64
+concurrent streams through two api workers, a dropped client freeing its pages, and a clean stop."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import aiohttp
+import orjson
+import pytest
+
+from tests.conftest import launch, wait_for, with_tokenizer
+from tests.test_parity import NEW_TOKENS, greedy_matches, prompts_for, reference
+from tests.tiny_models import ARCHITECTURES
+from transport.segment import list_segments, server_prefix
+
+QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in French.",
+             "Who wrote Hamlet?", "What is the largest planet?", "Give me a synonym for happy.", "What color is the sky?"]
+
+
+async def complete_ids(base_url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+    """Greedy completions of token-id prompts, all in flight at once; returns the generated ids."""
+    body = dict(model=model, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
+    async with aiohttp.ClientSession(base_url) as http:
+        async def one(prompt: list[int]) -> list[int]:
+            async with http.post("/v1/completions", json={**body, "prompt": prompt}) as reply:
+                assert reply.status == 200, await reply.text()
+                return (await reply.json())["choices"][0]["token_ids"]
+
+        return await asyncio.gather(*map(one, prompts))
+
+
+def assert_parity(ids: list[list[int]], model_dir) -> int:
+    return sum(greedy_matches(ours, ref_ids, ref_logprobs) for ours, (ref_ids, ref_logprobs) in zip(ids, reference(model_dir)))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_tiny_model_parity_through_every_process_and_clean_sigint(arch, tiny_model, smollm2, tmp_path):
+    served = with_tokenizer(tiny_model(arch), smollm2, tmp_path / "model")
+    server = launch(served, tmp_path / "serve.log", "--page-size", "16", "--max-prefill-tokens", "24")
+    try:
+        prompts = [list(p) for p in prompts_for(tiny_model(arch))]
+        near_ties = assert_parity(asyncio.run(complete_ids(server.base_url, server.model, prompts)), tiny_model(arch))
+        print(f"{arch} over HTTP: near-ties {near_ties}")
+    finally:
+        took = server.stop()  # SIGINT, as a terminal's Ctrl-C
+    assert server.proc.returncode == 0 and took < 5, f"exit {server.proc.returncode} after {took:.1f} s"
+    assert not list_segments(server_prefix(str(server.port)))
+
+
+def test_smollm2_parity_through_every_process(smol_server, smollm2):
+    prompts = [list(p) for p in prompts_for(smollm2)]
+    assert assert_parity(asyncio.run(complete_ids(smol_server.base_url, smol_server.model, prompts)), smollm2) == 0
+
+
+async def stream_chat(http: aiohttp.ClientSession, model: str, question: str) -> str:
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0,
+            "stream": True}
+    text, finishes = [], []
+    async with http.post("/v1/chat/completions", json=body) as reply:
+        assert reply.status == 200, await reply.text()
+        async for line in reply.content:
+            if line.startswith(b"data: ") and line.strip() != b"data: [DONE]":
+                for choice in orjson.loads(line[6:])["choices"]:
+                    text.append(choice["delta"].get("content", ""))
+                    finishes.append(choice["finish_reason"])
+    assert [f for f in finishes if f] in (["stop"], ["length"])
+    return "".join(text)
+
+
+async def _load(base_url: str, model: str) -> tuple[dict[str, str], list[str]]:
+    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+        alone = {q: await stream_chat(http, model, q) for q in QUESTIONS}
+        together = await asyncio.gather(*(stream_chat(http, model, QUESTIONS[i % len(QUESTIONS)]) for i in range(64)))
+    return alone, together
+
+
+def test_64_concurrent_streams_through_two_api_workers(smol_server):
+    alone, together = asyncio.run(_load(smol_server.base_url, smol_server.model))
+    assert "Paris" in alone[QUESTIONS[0]]
+    assert together == [alone[QUESTIONS[i % len(QUESTIONS)]] for i in range(64)]  # batching changed nothing
+
+
+async def _drop_mid_stream(base_url: str, model: str) -> None:
+    body = {"model": model, "prompt": "Once upon a time, in a land far away,", "max_tokens": 2000, "ignore_eos": True,
+            "temperature": 0.8, "stream": True}
+    async with aiohttp.ClientSession(base_url) as http:
+        async with http.post("/v1/completions", json=body) as reply:
+            chunks = 0
+            async for line in reply.content:
+                chunks += line.startswith(b"data: ")
+                if chunks == 40:  # well into decoding: the request holds pages now
+                    break
+    # leaving the blocks closes the connection mid-stream
+
+
+def test_dropped_client_frees_its_pages_within_a_second(smol_server):
+    baseline = smol_server.used_pages()
+    asyncio.run(_drop_mid_stream(smol_server.base_url, smol_server.model))
+    dropped_at = time.monotonic()
+    wait_for(lambda: smol_server.used_pages() == baseline, 5, "the pages to come back")
+    assert time.monotonic() - dropped_at < 1.0
+    assert smol_server.get("/server_info")["scheduler"]["running"] == 0
+
+
+async def _long_generation_while_watching(server) -> list[float]:
+    """Stream a long completion; meanwhile read every actor's heartbeat age from `ringllm status`."""
+    from tests.conftest import ringllm
+
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
+            "stream": True}
+    ages: list[float] = []
+
+    async def watch() -> None:
+        while True:
+            await asyncio.sleep(0.5)
+            rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
+            ages.extend(row["heartbeat_age_s"] for row in rows)
+
+    async with aiohttp.ClientSession(server.base_url) as http:
+        watcher = asyncio.create_task(watch())
+        async with http.post("/v1/completions", json=body) as reply:
+            async for _ in reply.content:
+                pass
+        watcher.cancel()
+    return ages
+
+
+def test_busy_actors_keep_their_heartbeat(smol_server):
+    ages = asyncio.run(_long_generation_while_watching(smol_server))
+    assert len(ages) >= 10 and max(ages) < 3.0, ages  # the hang threshold is 30 s; a busy loop must not near it
+
+
+async def _killed_mid_stream(server, victim_pid: int) -> tuple[bytes, float]:
+    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession(server.base_url) as http:
+        async with http.post("/v1/completions", json=body) as reply:
+            lines, killed_at = [], None
+            async for line in reply.content:
+                lines.append(line)
+                if len(lines) == 20:
+                    os.kill(victim_pid, signal.SIGKILL)
+                    killed_at = time.monotonic()
+            return b"".join(lines), time.monotonic() - killed_at
+
+
+def test_engine_killed_mid_stream_fails_fast_and_the_server_recovers(tiny_model, smollm2, tmp_path):
+    from tests.conftest import ringllm
+
+    served = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
+    server = launch(served, tmp_path / "serve.log")
+    try:
+        status = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        engine = next(row["pid"] for row in status if row["name"] == "engine")
+        streamed, waited = asyncio.run(_killed_mid_stream(server, engine))
+        assert b'"error"' in streamed and b"restarted" in streamed and waited < 10
+        wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the pipeline to be healthy again")
+        ids = asyncio.run(complete_ids(server.base_url, server.model, [[5, 6, 7]]))
+        assert len(ids[0]) == NEW_TOKENS
+        epochs = {row["epoch"] for row in orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)}
+        assert epochs == {2}  # one restart, and every actor (the detokenizer too) followed it
+    finally:
+        assert server.stop() < 5

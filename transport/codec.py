@@ -1,0 +1,49 @@
+"""Frame payloads of the pipeline: a small orjson header, then int32 arrays in place.
+
+Layout: u32 header length, the header, zero padding to 4 bytes, then each array's int32 values
+back to back; the header's "_lens" gives their lengths. The reader's arrays are views of the
+ring (no copy): copy what must outlive the next receive.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import orjson
+
+from transport.ring import Frame, RingWriter
+
+_LEN = struct.Struct("<I")
+IntArray = Sequence[int] | np.ndarray
+
+
+def _head_span(header: bytes) -> int:
+    return (_LEN.size + len(header) + 3) & ~3
+
+
+async def send(writer: RingWriter, kind: int, rid: int, meta: dict[str, Any], arrays: Sequence[IntArray] = (), epoch: int = 0) -> None:
+    ints = [np.asarray(a, dtype="<i4") for a in arrays]
+    header = orjson.dumps({**meta, "_lens": [len(a) for a in ints]} if ints else meta)
+    head = _head_span(header)
+    view = await writer.reserve_async(head + 4 * sum(len(a) for a in ints))
+    _LEN.pack_into(view, 0, len(header))
+    view[_LEN.size : _LEN.size + len(header)] = header
+    offset = head
+    for a in ints:
+        view[offset : offset + a.nbytes] = a.view(np.uint8)
+        offset += a.nbytes
+    writer.commit(kind, rid, epoch)
+
+
+def unpack(frame: Frame) -> tuple[dict[str, Any], list[np.ndarray]]:
+    payload = frame.payload
+    (length,) = _LEN.unpack_from(payload)
+    meta = orjson.loads(payload[_LEN.size : _LEN.size + length])
+    arrays, offset = [], _head_span(payload[_LEN.size : _LEN.size + length])
+    for n in meta.pop("_lens", ()):
+        arrays.append(np.frombuffer(payload, dtype="<i4", count=n, offset=offset))
+        offset += 4 * n
+    return meta, arrays
