@@ -9,8 +9,6 @@ from __future__ import annotations
 from collections import deque
 from pathlib import Path
 
-import structlog
-
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
@@ -20,7 +18,6 @@ from runtime.step import plan_to_wire, results_from_wire
 from transport.codec import unpack
 from transport.ring import Frame
 
-log = structlog.get_logger()
 MAX_IN_FLIGHT = 2
 
 

@@ -7,14 +7,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import structlog
-
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
 from transport.codec import unpack
 
-log = structlog.get_logger()
 
 
 def load_tokenizer(model_dir: str):

@@ -57,7 +57,7 @@ def serve(args: argparse.Namespace) -> int:
     return Supervisor(pipeline(config), SupervisorConfig(hang_timeout_s=args.hang_timeout)).run()
 
 
-async def _chat(base_url: str) -> int:
+async def _chat(base_url: str, temperature: float | None) -> int:
     import aiohttp
 
     history: list[dict] = []
@@ -80,6 +80,8 @@ async def _chat(base_url: str) -> int:
             history.append({"role": "user", "content": line})
             answer = []
             body = {"model": model, "messages": history, "stream": True}
+            if temperature is not None:
+                body["temperature"] = temperature
             async with http.post("/v1/chat/completions", json=body) as reply:
                 if reply.status != 200:
                     print(f"error {reply.status}: {(await reply.json())['error']['message']}")
@@ -123,12 +125,13 @@ def main(argv: list[str] | None = None) -> int:
 
     c = commands.add_parser("chat", help="chat with a running server in the terminal")
     c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
 
     args = parser.parse_args(argv)
     if args.command == "serve":
         return serve(args)
     if args.command == "chat":
-        return asyncio.run(_chat(args.url))
+        return asyncio.run(_chat(args.url, args.temperature))
     return status(args.port, args.json)
 
 

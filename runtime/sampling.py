@@ -1,4 +1,4 @@
-"""Sampling parameters and the sampler.
+"""The sampler: greedy, temperature, top-k, top-p, min-p, penalties and log-probabilities.
 
 Each random draw uses a generator seeded from (request seed, position), never a shared stream,
 so a request samples the same tokens alone, inside any batch, and after a replay.

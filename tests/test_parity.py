@@ -88,7 +88,7 @@ def compare(model_dir: Path, page_size: int) -> int:
     prompts = [list(p) for p in prompts_for(model_dir)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
     near_ties = 0
-    for prompt, output, (ref_ids, ref_logprobs) in zip(prompts, outputs, reference(model_dir)):
+    for output, (ref_ids, ref_logprobs) in zip(outputs, reference(model_dir)):
         assert len(output.token_ids) == NEW_TOKENS and output.finish_reason == "length"
         for position, top in enumerate(output.logprobs[: divergence(output.token_ids, ref_ids) + 1]):
             for token, logprob in top.items():
