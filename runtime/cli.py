@@ -48,7 +48,7 @@ def serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
-        dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+        dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend,
     )
     config = ServeConfig(
         model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
@@ -116,6 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--disable-prefix-cache", action="store_true")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--device", default="cpu")
+    s.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"], help="flashinfer needs CUDA")
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
     s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
 

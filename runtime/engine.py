@@ -49,8 +49,8 @@ class Engine:
         self.model = build_model(self.model_config, model_dir, self.dtype, self.device, config.dummy_weights)
         self.num_pages = config.kv_pages()
         cfg = self.model_config
-        self.pool = KVPool(cfg.num_layers, self.num_pages * config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool)
+        self.pool = KVPool(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, cfg.num_heads)
         self.slots: dict[int, SlotState] = {}
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device), pages=self.num_pages)
 
@@ -62,25 +62,20 @@ class Engine:
         for slot, pages in plan.pages:
             self.slots[slot].pages += pages
 
-    def _kv_slots(self, state: SlotState, length: int) -> torch.Tensor:
-        positions = torch.arange(length)
-        pages = torch.tensor(state.pages, dtype=torch.long)
-        return pages[positions // self.config.page_size] * self.config.page_size + positions % self.config.page_size
-
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> list[Sampled]:
         self._apply(plan)
         feeds = [(c.slot, c.token_ids, c.sample) for c in plan.chunks]
         feeds += [(slot, self.slots[slot].output_ids[-1:], True) for slot in plan.decodes]
         ids, positions, out_slots, seqs, sample_rows, sample_slots = [], [], [], [], [], []
+        ps = self.config.page_size
         for slot, tokens, wants_sample in feeds:
             state = self.slots[slot]
             start, end = state.length, state.length + len(tokens)
-            kv_slots = self._kv_slots(state, end)
-            seqs.append(SeqSpan(len(ids), len(tokens), kv_slots.to(self.device)))
+            seqs.append(SeqSpan(len(ids), len(tokens), end, state.pages))
             ids += tokens
             positions += range(start, end)
-            out_slots.append(kv_slots[start:end])
+            out_slots += (state.pages[p // ps] * ps + p % ps for p in range(start, end))
             state.length = end
             if wants_sample:
                 sample_rows.append(len(ids) - 1)
@@ -88,9 +83,10 @@ class Engine:
         batch = ForwardBatch(
             input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
             positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            out_slots=torch.cat(out_slots).to(self.device),
+            out_slots=torch.tensor(out_slots, dtype=torch.long, device=self.device),
             seqs=seqs,
         )
+        self.attention.prepare(batch)
         hidden = self.model(batch, self.attention)
         if not sample_slots:
             return []

@@ -34,7 +34,40 @@ class FusedOps:
     silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-FUSED_OPS: dict[str, FusedOps] = {"torch": FusedOps(torch_rms_norm, torch_silu_and_mul)}
+def _flattened(kernel: Callable) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
+    """The CUDA norm kernels take [tokens, hidden]; q/k norms come as [tokens, heads, head_dim]."""
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
+
+    return rms_norm
+
+
+def _sgl_kernel() -> FusedOps:
+    import sgl_kernel
+
+    return FusedOps(_flattened(sgl_kernel.rmsnorm), torch_silu_and_mul)
+
+
+def _flashinfer() -> FusedOps:
+    import flashinfer.norm
+
+    return FusedOps(_flattened(flashinfer.norm.rmsnorm), torch_silu_and_mul)
+
+
+FUSED_OPS: dict[str, Callable[[], FusedOps]] = {"sgl_kernel": _sgl_kernel, "flashinfer": _flashinfer,
+                                                "torch": lambda: FusedOps(torch_rms_norm, torch_silu_and_mul)}
+
+
+def select_fused_ops(device: torch.device, dtype: torch.dtype) -> tuple[str, FusedOps]:
+    """The first op set that loads: sgl-kernel, then flashinfer, then torch (CPU, fp32 or neither)."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return "torch", FUSED_OPS["torch"]()
+    for name, load in FUSED_OPS.items():
+        try:
+            return name, load()
+        except ImportError:
+            continue
+    raise AssertionError("the torch op set always loads")
 
 
 class RMSNorm(nn.Module):

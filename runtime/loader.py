@@ -11,17 +11,20 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.layers import FUSED_OPS
+from runtime.layers import select_fused_ops
 from runtime.models import MODELS
 
 log = structlog.get_logger()
 
 
-def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool, ops: str = "torch") -> nn.Module:
+def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool) -> nn.Module:
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
+    ops_name, ops = select_fused_ops(device, dtype)
+    log.info("fused_ops", ops=ops_name)
     with torch.device("meta"):  # no time spent initialising weights that are overwritten next
-        model = MODELS[cfg.architecture](cfg, FUSED_OPS[ops])
+        model = MODELS[cfg.architecture](cfg, ops)
+    model.fused_ops = ops_name
     model.to_empty(device=device)
     model.to(dtype)
     model.tie_weights()

@@ -32,11 +32,11 @@ def _configs():
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
 
 
-def build(name: str, folder: Path) -> Path:
+def build(name: str, folder: Path, **overrides) -> Path:
     from transformers import AutoModelForCausalLM
 
     config_cls, extra = _configs()[name]
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra}))
+    model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra, **overrides}))
     model.save_pretrained(folder)
     return folder
