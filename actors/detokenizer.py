@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from actors.base import Actor
 from actors.kinds import Kind, worker_of
-from actors.tokenizer import load_tokenizer
+from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
 REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
@@ -37,7 +37,7 @@ def held_back(text: str, stops: list[str]) -> int:
 
 class DetokenizerActor(Actor):
     async def setup(self) -> None:
-        self.tokenizer = load_tokenizer(self.options["serve"].model_dir)
+        self.tokenizer = load_tokenizer(self.options["serve"].model_dir, required=True)
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:

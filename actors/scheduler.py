@@ -83,8 +83,6 @@ class SchedulerActor(Actor):
                 tokens.append(request.output_ids[-1])
                 if request.params.logprobs is not None:
                     item["logprobs"] = list(request.logprobs[-1].items())
-            if request.finish_reason is not None:
-                self.announce.pop(request.rid, None)
             items.append(item)
         await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens])
 

@@ -10,20 +10,15 @@ from pathlib import Path
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
+from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
-
-
-def load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
 
 
 class TokenizerActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
-        self.tokenizer = load_tokenizer(serve.model_dir)
+        self.tokenizer = load_tokenizer(serve.model_dir, required=True)
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
 

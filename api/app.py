@@ -145,7 +145,7 @@ class Handlers:
         delta: dict | None = first
         try:
             while delta is not None:
-                offset = choices[delta["rid"]].token_chars if delta.get("rid") in choices else 0
+                offset = choices[delta["rid"]].token_chars  # where this delta's logprob offsets start
                 state = self._absorb(delta, choices)
                 chunk = envelope(c, chunk=True)
                 logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None

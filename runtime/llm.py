@@ -14,7 +14,7 @@ from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine
-from runtime.model_source import resolve_model_dir
+from runtime.model_source import load_tokenizer, resolve_model_dir
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Request, Scheduler
 
@@ -36,7 +36,7 @@ class LLM:
         self.engine = Engine(self.model_dir, self.config)
         cfg = self.engine.model_config
         self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
-        self.tokenizer = _load_tokenizer(self.model_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()
 
     def generate(
@@ -73,10 +73,3 @@ class LLM:
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
 
-
-def _load_tokenizer(model_dir: Path):
-    if not any(model_dir.glob("tokenizer*")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)

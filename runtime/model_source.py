@@ -31,6 +31,17 @@ def resolve_model_dir(name_or_path: str | None) -> Path:
     return Path(snapshot_download(name_or_path, allow_patterns=patterns))
 
 
+def load_tokenizer(model_dir: str | Path, required: bool = False):
+    """The folder's Hugging Face tokenizer, or None when it ships none (a bare config and weights)."""
+    if not any(Path(model_dir).glob("tokenizer*")):
+        if required:
+            raise FileNotFoundError(f"{model_dir} has no tokenizer, and serving text needs one")
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
 def cache_dir() -> Path:
     return Path(os.environ.get("RINGLLM_CACHE", Path.home() / ".cache" / "ringllm")) / NAME
 

@@ -272,23 +272,20 @@ class RingReader(_End):
         return frame
 
     async def recv_async(self, timeout: float | None = None) -> Frame | None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while (frame := self.try_recv()) is None:
-            if not await wait_until_async(self._readable, (self._reader_asleep,), (self.handle.data_bell,), _left(deadline)):
-                return None
-        return frame
+        got = await recv_any_async((self,), timeout)
+        return None if got is None else got[1]
 
 
 async def recv_any_async(readers: Sequence[RingReader], timeout: float | None = None) -> tuple[int, Frame] | None:
     """The next frame from any of `readers`, taken round-robin from where the last call stopped;
     returns (index of its reader, frame), or None on timeout."""
-    start = next(_rotation) % len(readers)
-    order = readers[start:] + readers[:start]
+    start = next(_rotation)
     deadline = None if timeout is None else time.monotonic() + timeout
     while True:
-        for reader in order:
-            if (frame := reader.try_recv()) is not None:
-                return readers.index(reader), frame
+        for turn in range(len(readers)):
+            index = (start + turn) % len(readers)
+            if (frame := readers[index].try_recv()) is not None:
+                return index, frame
         ready = lambda: any(r._readable() for r in readers)  # noqa: E731
         flags = [r._reader_asleep for r in readers]
         if not await wait_until_async(ready, flags, [r.handle.data_bell for r in readers], _left(deadline)):

@@ -37,8 +37,6 @@ class Doorbell:
 
     def __init__(self, fd: int | None = None) -> None:
         self.fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC) if fd is None else fd
-        self._poll = select.poll()
-        self._poll.register(self.fd, select.POLLIN)
 
     def __reduce__(self):  # only valid while multiprocessing spawns a child
         return _rebuild_doorbell, (DupFd(self.fd),)
@@ -106,7 +104,7 @@ def wait_until(
     """Wait for `ready()`; each flag asks its peer to ring the matching bell."""
     if ready():
         return True
-    poll = bells[0]._poll if len(bells) == 1 else _poll_of(bells)
+    poll = _poll_of(bells)  # only built once the spin has failed
     with contextlib.closing(_naps(ready, flags, timeout)) as naps:
         for nap in naps:
             poll.poll(None if nap is None else nap * 1000)
