@@ -79,18 +79,20 @@ class Actor:
         return True
 
     async def next_frame(self, timeout: float | None = None) -> tuple[str, Frame] | None:
-        """The next admitted frame from any input, and the peer it came from; None on timeout.
-
-        A busy actor always finds a frame waiting and would never give the loop a turn: yield
-        every YIELD_S so the tick (heartbeat, epoch, stop) and other tasks still run."""
-        if (now := time.monotonic()) - self._yielded > YIELD_S:
-            self._yielded = now
-            await asyncio.sleep(0)
+        """The next admitted frame from any input, and the peer it came from; None on timeout."""
+        await self.yield_if_due()
         while (got := await recv_any_async(self._readers, timeout)) is not None:
             index, frame = got
             if self.admit(frame):
                 return self._peers[index], frame
         return None
+
+    async def yield_if_due(self) -> None:
+        """A busy actor always finds a frame waiting and would never give the loop a turn: yield
+        every YIELD_S so the tick (heartbeat, epoch, stop) and other tasks still run."""
+        if (now := time.monotonic()) - self._yielded > YIELD_S:
+            self._yielded = now
+            await asyncio.sleep(0)
 
     def poll_frame(self) -> tuple[str, Frame] | None:
         """An admitted frame that has already arrived, without waiting."""

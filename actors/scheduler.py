@@ -6,6 +6,7 @@ token), then turns each step's results into one TOKENS frame for the detokenizer
 
 from __future__ import annotations
 
+import asyncio
 from collections import deque
 from pathlib import Path
 
@@ -13,12 +14,10 @@ from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Request, Scheduler
+from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
 from runtime.step import plan_to_wire, results_from_wire
 from transport.codec import unpack
 from transport.ring import Frame
-
-MAX_IN_FLIGHT = 2
 
 
 class SchedulerActor(Actor):
@@ -27,10 +26,14 @@ class SchedulerActor(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.engine_config = serve.engine
         self.eos, self.max_position = model.eos_token_ids, model.max_position
+        engine = self.control.slots[self.control.index("engine")]
+        while not engine["gauges"][0]:  # the engine sizes the KV pool once its weights are in place
+            await asyncio.sleep(0.05)
+        self.num_pages = int(engine["gauges"][0])
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
-        self.core = Scheduler(self.engine_config, self.engine_config.kv_pages(), self.eos, self.max_position)
+        self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
         self.announce: dict[int, dict] = {}  # what the detokenizer needs with a request's first tokens
         self.in_flight: deque[int] = deque()
 

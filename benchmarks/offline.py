@@ -1,80 +1,196 @@
-"""Offline throughput in process: scheduler and engine with no actors, on random weights.
+"""Offline throughput on random weights: `ringllm bench offline`.
 
 The workload is mini-sglang's offline bench, so figures compare with its published ones: 256
 requests, input and output lengths uniform in [100, 1024] (seed 0), token ids below 10,000,
 temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens.
-Throughput is output tokens over wall time. Results are appended to --out as
-{"runs": [{"model", "mode", "workload", "tok_per_s", "command", "date"}]}.
+Throughput is output tokens over wall time.
 
-    python -m benchmarks.offline --model benchmarks/models/qwen3-0.6b --device cuda --single
+By default the requests go through the whole serving pipeline: a `ringllm serve` with
+--dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
+`--in-process` drives the scheduler and engine directly instead, so the pipeline's cost is the
+ratio of the two. Results are appended to --out as
+{"runs": [{"model", "mode", "workload", "tok_per_s", "command", "date", ...}]}.
+
+    ringllm bench offline --model benchmarks/models/qwen3-0.6b --single [--in-process]
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime
+import importlib
+import os
+import signal
+import socket
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import orjson
-import torch
-
-from runtime import LLM, SamplingParams
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
+WARMUP = 16
 
 
-def workload(count: int, seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(count: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024),
+             seed: int = 0) -> tuple[list[list[int]], list[int]]:
     rng = np.random.default_rng(seed)
-    inputs, outputs = rng.integers(100, 1025, count), rng.integers(100, 1025, count)
+    inputs, outputs = rng.integers(input_len[0], input_len[1] + 1, count), rng.integers(output_len[0], output_len[1] + 1, count)
     return [rng.integers(0, 10_000, n).tolist() for n in inputs], outputs.tolist()
 
 
-def timed(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> float:
-    """Output tokens per second of one generate call."""
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    outputs = llm.generate(prompts, params)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started)
+def versions() -> dict[str, str]:
+    """Versions of the modules that shape the figures (read from the modules: the GPU kit puts
+    some on the path without installing them)."""
+    found = {}
+    for module in ("torch", "flashinfer", "sgl_kernel", "transformers"):
+        try:
+            found[module] = importlib.import_module(module).__version__
+        except ImportError:
+            continue
+    return found
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {"device": args.device, "attention_backend": args.attention_backend, "page_size": args.page_size,
+            "max_running_requests": args.max_running_requests, "max_prefill_tokens": args.max_prefill_tokens,
+            "cuda_graph_max_bs": args.cuda_graph_max_bs, "mem_fraction": args.mem_fraction}
+
+
+def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
+    import torch
+
+    from runtime import LLM, SamplingParams
+
+    llm = LLM(args.model, dummy_weights=True, **engine_options(args))
+
+    def timed(batch: list[list[int]], params: list[SamplingParams]) -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        started = time.perf_counter()
+        outputs = llm.generate(batch, params)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started)
+
+    warm = prompts[:WARMUP]
+    timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
+    params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
+    figures = {"offline": timed(prompts, params)}
+    if args.single:
+        figures["single"] = timed(prompts[:1], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
+    return figures
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: bool) -> dict[str, float]:
+    import aiohttp
+
+    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as http:
+        deadline = time.monotonic() + 900
+        while True:  # start-up loads weights and captures CUDA graphs
+            try:
+                async with http.get("/health") as reply:
+                    if reply.status == 200:
+                        break
+            except aiohttp.ClientError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError("the server did not become healthy")
+            await asyncio.sleep(0.5)
+
+        async def complete(ids: list[int], max_tokens: int, temperature: float, seed: int) -> int:
+            body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
+                    "ignore_eos": True, "seed": seed}
+            async with http.post("/v1/completions", json=body) as reply:
+                answer = await reply.json(loads=orjson.loads)
+                if reply.status != 200:
+                    raise RuntimeError(f"the server answered {reply.status}: {answer}")
+                return answer["usage"]["completion_tokens"]
+
+        async def timed(jobs: list[tuple[list[int], int, float, int]]) -> float:
+            started = time.perf_counter()
+            counts = await asyncio.gather(*(complete(*job) for job in jobs))
+            return sum(counts) / (time.perf_counter() - started)
+
+        await timed([(p, 32, 0.6, i) for i, p in enumerate(prompts[:WARMUP])])
+        figures = {"offline": await timed([(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])}
+        if single:
+            figures["single"] = await timed([(prompts[0], 512, 0.0, 0)])
+        return figures
+
+
+def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
+    port = _free_port()
+    options = engine_options(args)
+    command = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(args.model), "--served-model-name", "bench",
+               "--dummy-weights", "--port", str(port), "--api-workers", str(args.api_workers),
+               *(f"--{key.replace('_', '-')}={value}" for key, value in options.items())]
+    server = subprocess.Popen(command, start_new_session=True)
+    try:
+        return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, args.single))
+    finally:
+        os.killpg(server.pid, signal.SIGINT)
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.offline", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="a folder with config.json (weights are random)")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--attention-backend", default="flashinfer" if torch.cuda.is_available() else "torch")
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--kv-tokens", type=int, default=600_000, help="KV pool size in tokens")
+    cuda = _cuda_available()
+    parser = argparse.ArgumentParser(prog="ringllm bench offline", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", required=True, help="a folder with config.json and a tokenizer (weights are random)")
+    parser.add_argument("--in-process", action="store_true", help="drive the engine directly, without the actor pipeline")
     parser.add_argument("--single", action="store_true", help="also one request of 512 greedy tokens")
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
+    parser.add_argument("--device", default="cuda" if cuda else "cpu")
+    parser.add_argument("--attention-backend", default="flashinfer" if cuda else "torch")
+    parser.add_argument("--page-size", type=int, default=16)
+    parser.add_argument("--max-running-requests", type=int, default=256)
+    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--mem-fraction", type=float, default=0.85)
+    parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 
-    llm = LLM(args.model, dummy_weights=True, device=args.device, attention_backend=args.attention_backend,
-              page_size=args.page_size, num_pages=args.kv_tokens // args.page_size, max_running_requests=args.requests,
-              enable_prefix_cache=False)
-    prompts, lengths = workload(args.requests)
-    params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
-    warm = prompts[:16]
-    timed(llm, warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
-    figures = {"offline": timed(llm, prompts, params)}
-    if args.single:
-        figures["single"] = timed(llm, prompts[:1], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
-    command = " ".join(["python -m benchmarks.offline", *(sys.argv[1:] if argv is None else argv)])
-    date = datetime.date.today().isoformat()
-    runs = [{"model": Path(args.model).name, "mode": "in-process", "workload": name, "tok_per_s": round(value, 1),
-             "command": command, "date": date, "device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
-             "attention_backend": args.attention_backend, "fused_ops": llm.engine.model.fused_ops} for name, value in figures.items()]
+    prompts, lengths = workload(args.requests, tuple(args.input_len), tuple(args.output_len))
+    mode = "in-process" if args.in_process else "pipeline"
+    figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths)
+    command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
+    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(value, 1),
+             "command": command, "date": datetime.date.today().isoformat(), **engine_options(args),
+             "gpu": _device_name(args.device), "versions": versions()} for name, value in figures.items()]
     for run in runs:
-        print(f"{run['model']} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")
+        print(f"{run['model']} {mode} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")
     previous = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps({"runs": previous + runs}, option=orjson.OPT_INDENT_2) + b"\n")
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _device_name(device: str) -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if device.startswith("cuda") else "cpu"
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The `ringllm` command line: serve, status and chat."""
+"""The `ringllm` command line: serve, status, chat and bench."""
 
 from __future__ import annotations
 
@@ -48,7 +48,8 @@ def serve(args: argparse.Namespace) -> int:
     engine = EngineConfig(
         page_size=args.page_size, num_pages=args.num_pages, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
-        dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend,
+        dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend or ("flashinfer" if args.device.startswith("cuda") else "torch"),
+        mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
     config = ServeConfig(
         model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
@@ -116,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--disable-prefix-cache", action="store_true")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--device", default="cpu")
-    s.add_argument("--attention-backend", default="torch", choices=["torch", "flashinfer"], help="flashinfer needs CUDA")
+    s.add_argument("--attention-backend", choices=["torch", "flashinfer"], help="default: flashinfer on CUDA, else torch")
+    s.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: share of device memory for weights and KV cache")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="CUDA: largest decode batch replayed as a graph; 0: off")
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
     s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
 
@@ -128,7 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
 
+    b = commands.add_parser("bench", help="benchmarks: offline throughput (see `ringllm bench offline --help`)")
+    b.add_argument("workload", choices=["offline"])
+    b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
     args = parser.parse_args(argv)
+    if args.command == "bench":
+        from benchmarks.offline import main as offline
+
+        offline(args.options)
+        return 0
     if args.command == "serve":
         return serve(args)
     if args.command == "chat":

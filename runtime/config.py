@@ -81,7 +81,9 @@ DEFAULT_KV_TOKENS = 16384
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
-    num_pages: int | None = None  # None: room for DEFAULT_KV_TOKENS tokens
+    num_pages: int | None = None  # None: sized from mem_fraction on CUDA, DEFAULT_KV_TOKENS tokens on CPU
+    mem_fraction: float = 0.85  # CUDA: the share of device memory for weights and the KV pool
+    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
     max_prefill_tokens: int = 8192  # the chunk budget of one step
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
@@ -90,9 +92,6 @@ class EngineConfig:
     dummy_weights: bool = False
     attention_backend: str = "torch"
     seed: int = 0  # seeds the per-request seeds of requests that bring none
-
-    def kv_pages(self) -> int:
-        return self.num_pages or self.pages_for(DEFAULT_KV_TOKENS)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

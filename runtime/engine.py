@@ -1,18 +1,26 @@
 """The engine: weights, the KV pool, per-slot state and sampling. It executes step plans and
-makes no scheduling decision."""
+makes no scheduling decision.
+
+`launch` queues a step on the device and returns at once; `PendingStep.result` reads the sampled
+ids later. A decode feeds each slot the token its previous step sampled, straight from a device
+tensor, so step i+1 can be planned and queued while step i still runs.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
 import torch
 
-from runtime.attention import ATTENTION_BACKENDS, ForwardBatch, KVPool, SeqSpan
-from runtime.config import EngineConfig, ModelConfig
+from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool
+from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.cuda_graph import DecodeGraphs
 from runtime.loader import build_model
-from runtime.sampling import SampleRow, sample
+from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
 from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
 
@@ -35,68 +43,172 @@ class SlotState:
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
-    output_ids: list[int]
-    pages: list[int] = field(default_factory=list)
-    length: int = 0  # tokens whose KV is written
+    output_ids: list[int]  # read back so far
+    sampled: int  # tokens drawn, read back or not: the position of the next draw is prompt + sampled
+    num_pages: int = 0
+
+    def row(self) -> SampleRow:
+        return SampleRow(self.params, self.seed, len(self.prompt_ids) + self.sampled, self.prompt_ids, self.output_ids)
+
+
+@dataclass
+class PendingStep:
+    """A queued step's draws, copied to pinned host memory behind an event."""
+
+    states: list[SlotState]
+    slots: list[int]
+    rows: list[SampleRow]
+    sample: Sample | None  # None: the step sampled nothing
+    host_tokens: torch.Tensor
+    done: torch.cuda.Event | None
+    _results: list[Sampled] | None = field(default=None)
+
+    @property
+    def read(self) -> bool:
+        return self._results is not None
+
+    def ready(self) -> bool:
+        """Has the device finished it (reading it would not block)?"""
+        return self.done is None or self.done.query()
+
+    def result(self) -> list[Sampled]:
+        if self._results is None:
+            if self.done is not None:
+                self.done.synchronize()
+            tokens = self.host_tokens.tolist()
+            logprobs = logprob_dicts(self.sample, self.rows, tokens) if self.sample else []
+            for state, token in zip(self.states, tokens):
+                state.output_ids.append(token)
+            self._results = [Sampled(slot, token, lp) for slot, token, lp in zip(self.slots, tokens, logprobs)]
+        return self._results
 
 
 class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig) -> None:
         self.config = config
         self.device = torch.device(config.device)
-        self.model_config = ModelConfig.load(model_dir)
+        self.model_config = cfg = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(self.model_config, model_dir, self.dtype, self.device, config.dummy_weights)
-        self.num_pages = config.kv_pages()
-        cfg = self.model_config
-        self.pool = KVPool(cfg.num_layers, self.num_pages, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights)
+        self.num_pages = self._pool_pages()
+        self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
+        self.pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, cfg.num_heads)
+        slots = config.max_running_requests
+        self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
+        self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
+        self.lengths = np.zeros(slots, dtype=np.int64)  # tokens whose KV is written (or queued to be)
+        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
-        log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device), pages=self.num_pages)
+        self._unread: deque[PendingStep] = deque()
+        self.graphs = None
+        if self.device.type == "cuda" and config.cuda_graph_max_bs and config.attention_backend == "flashinfer":
+            self.graphs = DecodeGraphs(self.model, self.attention, min(config.cuda_graph_max_bs, slots),
+                                       self.max_pages_per_seq, self.scratch_page, self.device)
+        log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
+                 pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
+                 cuda_graphs=self.graphs.sizes if self.graphs else None)
+
+    def _pool_pages(self) -> int:
+        """--num-pages, else on CUDA what is left of mem_fraction of the device after the weights."""
+        cfg, config = self.model_config, self.config
+        if config.num_pages:
+            return config.num_pages
+        if self.device.type != "cuda":
+            return config.pages_for(DEFAULT_KV_TOKENS)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * config.mem_fraction - (total - free)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if budget < 16 * page_bytes:
+            raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
+        return int(budget // page_bytes) - 1
 
     def _apply(self, plan: StepPlan) -> None:
         for slot in plan.freed:
             self.slots.pop(slot, None)
         for new in plan.new_slots:
-            self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), length=new.cached)
+            self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
+            self.lengths[new.slot] = new.cached
         for slot, pages in plan.pages:
-            self.slots[slot].pages += pages
+            state = self.slots[slot]
+            self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
+            state.num_pages += len(pages)
 
     @torch.inference_mode()
-    def execute(self, plan: StepPlan) -> list[Sampled]:
+    def launch(self, plan: StepPlan) -> PendingStep:
         self._apply(plan)
-        feeds = [(c.slot, c.token_ids, c.sample) for c in plan.chunks]
-        feeds += [(slot, self.slots[slot].output_ids[-1:], True) for slot in plan.decodes]
-        ids, positions, out_slots, seqs, sample_rows, sample_slots = [], [], [], [], [], []
+        chunk_slots = [c.slot for c in plan.chunks]
+        seq_slots = np.array(chunk_slots + plan.decodes, dtype=np.int64)
+        q_lens = np.array([len(c.token_ids) for c in plan.chunks] + [1] * len(plan.decodes), dtype=np.int64)
+        starts = self.lengths[seq_slots]
+        kv_lens = starts + q_lens
+        self.lengths[seq_slots] = kv_lens
+        qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qo_indptr[1:])
+        tokens = int(qo_indptr[-1])
+        positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
         ps = self.config.page_size
-        for slot, tokens, wants_sample in feeds:
-            state = self.slots[slot]
-            start, end = state.length, state.length + len(tokens)
-            seqs.append(SeqSpan(len(ids), len(tokens), end, state.pages))
-            ids += tokens
-            positions += range(start, end)
-            out_slots += (state.pages[p // ps] * ps + p % ps for p in range(start, end))
-            state.length = end
-            if wants_sample:
-                sample_rows.append(len(ids) - 1)
-                sample_slots.append(slot)
-        batch = ForwardBatch(
-            input_ids=torch.tensor(ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            out_slots=torch.tensor(out_slots, dtype=torch.long, device=self.device),
-            seqs=seqs,
-        )
-        self.attention.prepare(batch)
-        hidden = self.model(batch, self.attention)
-        if not sample_slots:
-            return []
-        logits = self.model.logits(hidden[torch.tensor(sample_rows, device=self.device)])
-        rows = [self._sample_row(self.slots[slot]) for slot in sample_slots]
-        tokens, logprobs = sample(logits, rows)
-        for slot, token in zip(sample_slots, tokens):
-            self.slots[slot].output_ids.append(token)
-        return [Sampled(slot, token, lp) for slot, token, lp in zip(sample_slots, tokens, logprobs)]
+        out_pages = self.page_table[np.repeat(seq_slots, q_lens), positions // ps]
+        seq_pages = -(-kv_lens // ps)
+        kv_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(seq_pages, out=kv_indptr[1:])
+        table = self.page_table[seq_slots, : int(seq_pages.max())]
+        kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
+        meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32),
+                             kv_lens.astype(np.int32))
 
-    @staticmethod
-    def _sample_row(state: SlotState) -> SampleRow:
-        return SampleRow(state.params, state.seed, len(state.prompt_ids) + len(state.output_ids), state.prompt_ids, state.output_ids)
+        sampled = [i for i, c in enumerate(plan.chunks) if c.sample] + list(range(len(chunk_slots), len(seq_slots)))
+        sample_slots = seq_slots[sampled]
+        states = [self.slots[s] for s in sample_slots.tolist()]
+        rows = [state.row() for state in states]
+        if any(row.params.penalized for row in rows):  # penalties count every earlier token
+            self._read_all()
+        decodes = np.array(plan.decodes, dtype=np.int64)
+
+        if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
+            logits = self.graphs.replay(meta, positions, out_pages, positions % ps, self._to_device(decodes), self.last_tokens)
+        else:
+            host = self._to_device(np.concatenate([positions, out_pages, positions % ps, decodes, qo_indptr[1:][sampled] - 1]))
+            input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
+            n_chunk = tokens - len(decodes)
+            if n_chunk:
+                input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
+            if len(decodes):
+                input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
+            batch = ForwardBatch(input_ids, host[:tokens], host[tokens : 2 * tokens], host[2 * tokens : 3 * tokens], meta)
+            self.attention.prepare(meta)
+            hidden = self.model(batch, self.attention)
+            logits = self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None
+        if not sampled:
+            return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
+        drawn = sample(logits, rows)
+        for state in states:
+            state.sampled += 1
+        self.last_tokens[self._to_device(sample_slots)] = drawn.tokens
+        return self._pending(states, sample_slots.tolist(), rows, drawn)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample) -> PendingStep:
+        if self.device.type == "cuda":
+            host = torch.empty(len(slots), dtype=torch.int64, pin_memory=True)
+            host.copy_(drawn.tokens, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+            step = PendingStep(states, slots, rows, drawn, host, done)
+        else:
+            step = PendingStep(states, slots, rows, drawn, drawn.tokens, None)
+        while self._unread and self._unread[0].read:
+            self._unread.popleft()
+        self._unread.append(step)
+        return step
+
+    def _read_all(self) -> None:
+        while self._unread:
+            self._unread.popleft().result()
+
+    def reset(self) -> None:
+        """Forget every slot (a new epoch): the next plans open them afresh."""
+        self._read_all()
+        self.slots.clear()

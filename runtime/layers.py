@@ -1,8 +1,9 @@
-"""Building blocks of the dense decoder: RMSNorm, SiLU-and-mul and rotary embeddings.
+"""Building blocks of the dense decoder: RMSNorm (plain and with the residual add), SiLU-and-mul
+and rotary embeddings, behind a registry of fused-op sets chosen once at start-up.
 
-Norm and activation sit behind a small registry of fused-op sets; `torch` is the reference
-that runs everywhere. Rotary math follows the Hugging Face formulation (half-split rotation,
-fp32 angles) so that outputs match transformers.
+`torch` is the reference set that runs everywhere; its math follows Hugging Face (fp32 norm and
+rotary angles, cos/sin cast to the activation dtype) so that outputs match transformers. The CUDA
+sets take sgl-kernel's kernels where it loads, else flashinfer's.
 """
 
 from __future__ import annotations
@@ -17,55 +18,115 @@ from torch import nn
 
 from runtime.config import RopeConfig
 
+Tensor = torch.Tensor
 
-def torch_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+
+def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     h = x.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(x.dtype)
 
 
-def torch_silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+def torch_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    residual = x + residual
+    return torch_rms_norm(residual, weight, eps), residual
+
+
+def torch_silu_and_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
     return F.silu(gate) * up
+
+
+def torch_rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Half-split rotation. cos_sin: [max position, head_dim] fp32, cos halves then sin halves."""
+    cos, sin = cos_sin[positions].chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+
+    def rotate(x: Tensor) -> Tensor:
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+
+    return rotate(q), rotate(k)
 
 
 @dataclass(frozen=True)
 class FusedOps:
-    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
-    silu_and_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    """The kernels a decoder layer calls. In-place kernels return their (mutated) inputs."""
+
+    rms_norm: Callable[[Tensor, Tensor, float], Tensor]
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (normed, new residual)
+    silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]
+    rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (positions, q, k, cos_sin cache)
+    # Qwen3's per-head q/k RMSNorm and rope in one pass over the fused qkv rows, where available:
+    # (qkv, heads, kv heads, head_dim, eps, q weight, k weight, theta, positions) -> None
+    qk_norm_rope: Callable[..., None] | None = None
+    rope_cache_fp32: bool = False  # else the cos/sin cache is kept in the activation dtype
 
 
-def _flattened(kernel: Callable) -> Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]:
-    """The CUDA norm kernels take [tokens, hidden]; q/k norms come as [tokens, heads, head_dim]."""
-    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
+    """The CUDA norm kernels take [rows, hidden]; q/k norms come as [tokens, heads, head_dim]."""
+    def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
 
     return rms_norm
 
 
+def _in_place_add_norm(kernel: Callable) -> Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]:
+    def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+        kernel(x, residual, weight, eps)  # residual += x; x = norm(residual)
+        return x, residual
+
+    return add_rms_norm
+
+
 def _sgl_kernel() -> FusedOps:
     import sgl_kernel
 
-    return FusedOps(_flattened(sgl_kernel.rmsnorm), torch_silu_and_mul)
+    def rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        head_dim = q.shape[-1]
+        sgl_kernel.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, True)
+        return q, k
+
+    def qk_norm_rope(qkv, heads, kv_heads, head_dim, eps, q_weight, k_weight, theta, positions) -> None:
+        # default rope: no scaling factor, no yarn band, attention factor 1
+        sgl_kernel.fused_qk_norm_rope(qkv, heads, kv_heads, kv_heads, head_dim, eps, q_weight, k_weight, theta, True,
+                                      positions, 1.0, 0.0, 0.0, 1.0)
+
+    fused = hasattr(torch.ops.sgl_kernel, "fused_qk_norm_rope")
+    return FusedOps(_rows(sgl_kernel.rmsnorm), _in_place_add_norm(sgl_kernel.fused_add_rmsnorm), sgl_kernel.silu_and_mul,
+                    rope, qk_norm_rope if fused else None)
 
 
 def _flashinfer() -> FusedOps:
-    import flashinfer.norm
+    import flashinfer
 
-    return FusedOps(_flattened(flashinfer.norm.rmsnorm), torch_silu_and_mul)
+    def rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
+            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), q.shape[-1], cos_sin, True)
+        return q, k
+
+    return FusedOps(_rows(flashinfer.norm.rmsnorm), _in_place_add_norm(flashinfer.norm.fused_add_rmsnorm),
+                    flashinfer.activation.silu_and_mul, rope, rope_cache_fp32=True)
 
 
-FUSED_OPS: dict[str, Callable[[], FusedOps]] = {"sgl_kernel": _sgl_kernel, "flashinfer": _flashinfer,
-                                                "torch": lambda: FusedOps(torch_rms_norm, torch_silu_and_mul)}
+FUSED_OPS: dict[str, Callable[[], FusedOps]] = {
+    "sgl_kernel": _sgl_kernel,
+    "flashinfer": _flashinfer,
+    "torch": lambda: FusedOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope),
+}
 
 
-def select_fused_ops(device: torch.device, dtype: torch.dtype) -> tuple[str, FusedOps]:
-    """The first op set that loads: sgl-kernel, then flashinfer, then torch (CPU, fp32 or neither)."""
+def select_fused_ops(device: torch.device, dtype: torch.dtype, prefer: str | None = None) -> tuple[str, FusedOps]:
+    """`prefer`, else the first set that loads: sgl-kernel, flashinfer, torch (CPU, fp32 or neither)."""
+    if prefer is not None:
+        return prefer, FUSED_OPS[prefer]()
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return "torch", FUSED_OPS["torch"]()
     for name, load in FUSED_OPS.items():
         try:
             return name, load()
-        except ImportError:
+        except (ImportError, AttributeError, RuntimeError, OSError):
             continue
     raise AssertionError("the torch op set always loads")
 
@@ -77,11 +138,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor | tuple[Tensor, Tensor]:
+        if residual is None:
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
+def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if rope.kind == "llama3":  # stretch low frequencies by `factor`, blend the band in between
         low_wavelen = rope.original_max_position / rope.low_freq_factor
@@ -95,14 +158,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[T, 1, head_dim] cos and sin, computed in fp32."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    angles = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-    return angles.cos(), angles.sin()
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+def rope_cos_sin_cache(max_position: int, head_dim: int, rope: RopeConfig) -> Tensor:
+    """[max_position, head_dim] fp32: cos of each half's angles, then sin (the layout of the
+    sgl-kernel and flashinfer rope kernels)."""
+    freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * rope_inv_freq(head_dim, rope)[None, :]
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)

@@ -8,15 +8,16 @@
 from __future__ import annotations
 
 import itertools
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import EngineConfig
-from runtime.engine import Engine
+from runtime.engine import Engine, PendingStep
 from runtime.model_source import load_tokenizer, resolve_model_dir
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Request, Scheduler
+from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
 
 
 @dataclass(frozen=True)
@@ -47,9 +48,14 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
-        while self.scheduler.has_work():
-            plan = self.scheduler.schedule()
-            self.scheduler.update(plan.step, self.engine.execute(plan))
+        in_flight: deque[tuple[int, PendingStep]] = deque()  # plan step i+1 while step i runs
+        while self.scheduler.has_work() or in_flight:
+            plan = self.scheduler.schedule() if len(in_flight) < MAX_IN_FLIGHT else None
+            if plan:
+                in_flight.append((plan.step, self.engine.launch(plan)))
+            if in_flight and (len(in_flight) == MAX_IN_FLIGHT or not plan):
+                step, pending = in_flight.popleft()
+                self.scheduler.update(step, pending.result())
         return [self._output(r) for r in requests]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

@@ -1,18 +1,23 @@
-"""The sampler: greedy, temperature, top-k, top-p, min-p, penalties and log-probabilities.
+"""The batched sampler: greedy, temperature, top-k, top-p, min-p, penalties and log-probabilities.
 
-Each random draw uses a generator seeded from (request seed, position), never a shared stream,
-so a request samples the same tokens alone, inside any batch, and after a replay.
+Sampling is a Gumbel-max over the (filtered) logits: token = argmax(logit / T + g), g a Gumbel draw
+per (request seed, position, vocabulary id) from a counter-based hash. No row depends on another
+or on a shared random stream, so a request samples the same tokens alone, inside any batch, and
+after a replay. On CUDA one Triton kernel hashes, adds and reduces a row in a single pass;
+elsewhere the same hash runs in torch. Results stay on the device until the engine reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from runtime.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
+_M32 = 0xFFFFFFFF
 
 
 @dataclass
@@ -24,6 +29,71 @@ class SampleRow:
     position: int  # how many tokens precede the one being sampled
     prompt_ids: list[int]
     output_ids: list[int]
+
+
+@dataclass
+class Sample:
+    """One step's draws, still on the device."""
+
+    tokens: torch.Tensor  # [B] int64
+    logprob_rows: list[int]  # rows that asked for log-probabilities
+    top_ids: torch.Tensor | None = None  # [len(logprob_rows), N]
+    top_values: torch.Tensor | None = None
+    chosen: torch.Tensor | None = None  # [len(logprob_rows)]: the drawn token's log-probability
+
+
+def row_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
+    """[B, 2] 32-bit keys from splitmix64(seed * MIX + position)."""
+    with np.errstate(over="ignore"):
+        x = np.array(seeds, dtype=np.uint64) * np.uint64(_MIX) + np.array(positions, dtype=np.uint64)
+        x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        x ^= x >> np.uint64(31)
+    return np.stack([x & np.uint64(_M32), x >> np.uint64(32)], axis=1).astype(np.int64)
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x * c mod 2**32 for x in [0, 2**32), without overflowing int64."""
+    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
+    x = _mul32(x ^ (x >> 15), 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
+    """[B, vocab] standard Gumbel draws; the torch twin of the Triton kernel's noise."""
+    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
+    h = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
+    u = ((h >> 8).float() + 0.5) * 2.0**-24
+    return -torch.log(-torch.log(u))
+
+
+def _torch_gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    hot = temperatures > 0
+    noisy = scores * (1.0 / torch.where(hot, temperatures, 1.0))[:, None] + gumbel_noise(keys, scores.shape[1])
+    return torch.where(hot[:, None], noisy, scores).argmax(dim=-1)
+
+
+def _gumbel_argmax_kernel():
+    """The Triton kernel on CUDA when triton imports, else None."""
+    try:
+        from runtime.sampling_kernel import gumbel_argmax
+    except ImportError:
+        return None
+    return gumbel_argmax
+
+
+_KERNEL = _gumbel_argmax_kernel() if torch.cuda.is_available() else None
+
+
+def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0."""
+    if scores.is_cuda and _KERNEL is not None:
+        return _KERNEL(scores, temperatures, keys)
+    return _torch_gumbel_argmax(scores, temperatures, keys)
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
@@ -38,52 +108,61 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
-def _filter(probs: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Zero what top-k, top-p and min-p exclude; the most likely token always survives."""
-    if p.min_p > 0:
-        probs = torch.where(probs < p.min_p * probs.max(), 0.0, probs)
-    if p.top_k > 0 or p.top_p < 1:
-        sorted_probs, order = probs.sort(descending=True)
-        drop = torch.zeros_like(sorted_probs, dtype=torch.bool)
-        if p.top_k > 0:
-            drop[p.top_k :] = True
-        if p.top_p < 1:
-            drop |= (sorted_probs.cumsum(0) - sorted_probs) > p.top_p
-        drop[0] = False
-        probs = probs.scatter(0, order, sorted_probs.masked_fill(drop, 0.0))
-    return probs
+def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Log of the temperature-scaled probabilities with what top-k, top-p and min-p exclude at
+    -inf; the most likely token always survives."""
+    device = logits.device
+    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
+    probs = torch.softmax(logits / temperature, dim=-1)
+    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
+    probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(probs.shape[1], device=device)[None, :]
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=device)[:, None]
+    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
+    drop = (rank >= top_k) | ((sorted_probs.cumsum(-1) - sorted_probs) > top_p)
+    drop[:, 0] = False
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0)).log()
 
 
-def _draw(probs: torch.Tensor, seed: int, position: int) -> int:
-    """Exponential race: argmax(p / E) with E ~ Exp(1) picks i with probability p_i."""
-    generator = torch.Generator(device=probs.device).manual_seed((seed * _MIX + position) & (2**63 - 1))
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    return int((probs / noise).argmax())
-
-
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> tuple[list[int], list[dict[int, float] | None]]:
+def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:
     """Next token per row, and top-N log-probabilities of the model's own distribution when asked."""
     logits = logits.float()
-    logprobs: list[dict[int, float] | None] = [None] * len(rows)
-    if any(row.params.logprobs is not None for row in rows):
-        all_logprobs = torch.log_softmax(logits, dim=-1)
-    if all(row.params.greedy and not row.params.penalized for row in rows):  # the fast path
-        tokens = logits.argmax(dim=-1).tolist()
+    device = logits.device
+    logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    if logprob_rows:
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)
+    for i, row in enumerate(rows):  # in place: the logits are this step's own
+        if row.params.penalized:
+            _apply_penalties(logits[i], row)
+    temperatures = [0.0 if row.params.greedy else row.params.temperature for row in rows]
+    filtered = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.filters]
+    if filtered:
+        logits[filtered] = _filtered_log_probs(logits[filtered], [rows[i].params for i in filtered])
+        for i in filtered:
+            temperatures[i] = 1.0
+    if not any(temperatures):
+        tokens = logits.argmax(dim=-1)
     else:
-        logits = logits.clone()
-        tokens = []
-        for i, row in enumerate(rows):
-            if row.params.penalized:
-                _apply_penalties(logits[i], row)
-            if row.params.greedy:
-                tokens.append(int(logits[i].argmax()))
-            else:
-                probs = _filter(torch.softmax(logits[i] / row.params.temperature, dim=-1), row.params)
-                tokens.append(_draw(probs, row.seed, row.position))
-    for i, row in enumerate(rows):
-        if row.params.logprobs is not None:
-            top = all_logprobs[i].topk(row.params.logprobs)
-            entry = dict(zip(top.indices.tolist(), top.values.tolist()))
-            entry.setdefault(tokens[i], float(all_logprobs[i, tokens[i]]))
-            logprobs[i] = entry
-    return tokens, logprobs
+        keys = torch.from_numpy(row_keys([row.seed for row in rows], [row.position for row in rows])).to(device, non_blocking=True)
+        tokens = gumbel_argmax(logits, torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True), keys)
+    result = Sample(tokens, logprob_rows)
+    if logprob_rows:
+        top = raw_logprobs.topk(max(rows[i].params.logprobs for i in logprob_rows), dim=-1)
+        result.top_ids, result.top_values = top.indices, top.values
+        result.chosen = raw_logprobs.gather(1, tokens[logprob_rows][:, None])[:, 0]
+    return result
+
+
+def logprob_dicts(sample: Sample, rows: list[SampleRow], tokens: list[int]) -> list[dict[int, float] | None]:
+    """Host-side: each row's top-N log-probabilities, with the drawn token's always present."""
+    out: list[dict[int, float] | None] = [None] * len(rows)
+    if not sample.logprob_rows:
+        return out
+    ids, values, chosen = sample.top_ids.tolist(), sample.top_values.tolist(), sample.chosen.tolist()
+    for j, i in enumerate(sample.logprob_rows):
+        n = rows[i].params.logprobs
+        entry = dict(zip(ids[j][:n], values[j][:n]))
+        entry.setdefault(tokens[i], chosen[j])
+        out[i] = entry
+    return out

@@ -41,6 +41,10 @@ class SamplingParams:
         return self.temperature == 0 or self.top_k == 1
 
     @property
+    def filters(self) -> bool:
+        return self.top_k > 1 or self.top_p < 1 or self.min_p > 0
+
+    @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 

@@ -13,6 +13,8 @@ from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampling_params import SamplingParams
 from runtime.step import Chunk, NewSlot, Sampled, StepPlan
 
+MAX_IN_FLIGHT = 2  # steps planned ahead of their results: step i+1 is planned while step i runs
+
 
 @dataclass
 class Request:
@@ -86,8 +88,8 @@ class Scheduler:
         self._freed = []
         budget = self.config.max_prefill_tokens
         for request in list(self.running):
-            if request.slot is None:  # preempted earlier in this loop
-                continue
+            if request.slot is None or (request.decoding and self._fully_planned(request)):
+                continue  # preempted earlier in this loop, or its last token is already being drawn
             count = 1 if request.decoding else min(len(request.tokens) - request.computed, budget)
             if count and self._grow(request, count, plan):
                 self._feed(request, count, plan)
@@ -104,6 +106,12 @@ class Scheduler:
         if not plan:
             self._freed = plan.freed  # nothing to run: tell the engine with the next real step
         return plan
+
+    def _fully_planned(self, request: Request) -> bool:
+        """Do the steps in flight already draw its last token by length? (Each decode fed draws
+        one token, and so did the prefill before them.)"""
+        drawn = request.computed - len(request.prompt_ids) + 1
+        return drawn >= request.params.max_tokens or request.computed + 1 >= self.max_position
 
     def _feed(self, request: Request, count: int, plan: StepPlan) -> None:
         if request.decoding:

@@ -91,9 +91,9 @@ def server() -> str:
     return port
 
 
-def ringllm(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+def ringllm(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the real `ringllm` command line."""
-    result = subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    result = subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode:
         raise AssertionError(f"ringllm {' '.join(args)} failed: {result.stderr}")
     return result

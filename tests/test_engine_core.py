@@ -108,13 +108,13 @@ def test_prompt_longer_than_the_context_is_refused(tiny_model):
 def test_steps_mix_prefill_chunks_with_decodes(tiny_model):
     llm = LLM(tiny_model("llama"), page_size=16, max_prefill_tokens=16)
     shapes = []
-    execute = llm.engine.execute
+    launch = llm.engine.launch
 
     def recording(plan):
         shapes.append((len(plan.chunks), len(plan.decodes)))
-        return execute(plan)
+        return launch(plan)
 
-    llm.engine.execute = recording
+    llm.engine.launch = recording
     llm.generate(random_prompts(6, range(5, 80), seed=10), GREEDY)
     assert any(chunks and decodes for chunks, decodes in shapes)  # mixed steps happened
     assert max(chunks for chunks, _ in shapes) >= 1 and len(shapes) > 24  # and prefill was chunked
@@ -126,7 +126,7 @@ def test_half_precision_tracks_fp32(tiny_model, dtype, tolerance):
     params = SamplingParams(max_tokens=1, temperature=0, logprobs=1)
     full = LLM(tiny_model("qwen2"), page_size=16).generate(prompts, params)
     half = LLM(tiny_model("qwen2"), page_size=16, dtype=dtype)
-    assert half.engine.pool.k[0].dtype == getattr(torch, dtype)
+    assert half.engine.pool.kv[0].dtype == getattr(torch, dtype)
     for a, b in zip(full, half.generate(prompts, params)):
         top = a.token_ids[0]
         assert abs(a.logprobs[0][top] - b.logprobs[0].get(top, -99)) < tolerance

@@ -1,5 +1,10 @@
 """The dense decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias) and Qwen3
-(q/k norm). Parameter names match Hugging Face checkpoints, so weights load by name."""
+(q/k norm).
+
+q, k and v share one projection and gate and up another, so a layer runs two GEMMs where the
+checkpoint has five matrices; `STACKED` tells the loader where each checkpoint matrix goes. The
+residual stream runs through fused add-and-norm kernels.
+"""
 
 from __future__ import annotations
 
@@ -8,44 +13,58 @@ from torch import nn
 
 from runtime.attention import AttentionBackend, ForwardBatch
 from runtime.config import ModelConfig
-from runtime.layers import FusedOps, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+from runtime.layers import FusedOps, RMSNorm, rope_cos_sin_cache
+
+# checkpoint name part -> (our parameter name part, shard index)
+STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
+           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps) -> None:
         super().__init__()
         self.layer, self.heads, self.kv_heads, self.head_dim = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False)
+        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
-        self.qk_norm = cfg.qk_norm
+        self.qk_norm, self.ops, self.eps, self.theta = cfg.qk_norm, ops, cfg.rms_norm_eps, cfg.rope.theta
+        self.fused_qk_norm_rope = cfg.qk_norm and ops.qk_norm_rope is not None and cfg.rope.kind == "default"
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """rope: (positions, cos/sin cache); positions are int32 for the fused q/k norm-rope kernel."""
+        positions, rope_cache = rope
         tokens = x.shape[0]
-        q = self.q_proj(x).view(tokens, self.heads, self.head_dim)
-        k = self.k_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        v = self.v_proj(x).view(tokens, self.kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = backend.forward(self.layer, q, k, v, batch)
-        return self.o_proj(out.reshape(tokens, self.heads * self.head_dim))
+        qkv = self.qkv_proj(x)
+        q = qkv[:, : self.q_size].view(tokens, self.heads, self.head_dim)
+        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.kv_heads, self.head_dim)
+        if self.fused_qk_norm_rope:  # in place on qkv
+            self.ops.qk_norm_rope(qkv, self.heads, self.kv_heads, self.head_dim, self.eps, self.q_norm.weight,
+                                  self.k_norm.weight, self.theta, positions)
+        else:
+            if self.qk_norm:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k_roped = self.ops.rope(positions, q, k, rope_cache)
+            if k_roped.data_ptr() != qkv[:, self.q_size :].data_ptr():
+                qkv[:, self.q_size : self.q_size + self.kv_size] = k_roped.view(tokens, -1)
+        kv = qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim)
+        out = backend.forward(self.layer, q, kv, batch)
+        return self.o_proj(out.reshape(tokens, self.q_size))
 
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: FusedOps) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_proj(x), self.up_proj(x)))
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -56,9 +75,16 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, batch, backend)
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's output, not yet added to `residual` (None before layer 0)."""
+        if residual is None:
+            residual, h = h, self.input_layernorm(h)
+        else:
+            h, residual = self.input_layernorm(h, residual)
+        h = self.self_attn(h, rope, batch, backend)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class DenseModel(nn.Module):
@@ -75,21 +101,26 @@ class DenseForCausalLM(nn.Module):
         self.config = cfg
         self.model = DenseModel(cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self._inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope)  # plain tensor: survives meta construction
+        self.rope_cache_fp32 = ops.rope_cache_fp32
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
+    def make_rope_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        """After weights are placed: a plain tensor, built outside meta construction."""
+        cfg = self.config
+        cache = rope_cos_sin_cache(cfg.max_position, cfg.head_dim, cfg.rope)
+        self.rope_cache = cache.to(device=device, dtype=torch.float32 if self.rope_cache_fp32 else dtype)
+
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states, [T, hidden]."""
-        if self._inv_freq.device != batch.positions.device:
-            self._inv_freq = self._inv_freq.to(batch.positions.device)
-        cos, sin = rope_cos_sin(batch.positions, self._inv_freq)
-        h = self.model.embed_tokens(batch.input_ids)
+        h, residual = self.model.embed_tokens(batch.input_ids), None
+        fused = self.model.layers[0].self_attn.fused_qk_norm_rope
+        rope = (batch.positions.int() if fused else batch.positions, self.rope_cache)
         for layer in self.model.layers:
-            h = layer(h, cos, sin, batch, backend)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, rope, batch, backend)
+        return self.model.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
