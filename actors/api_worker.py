@@ -2,24 +2,45 @@
 
 Several workers share one port through SO_REUSEPORT. Each request id carries the worker's index,
 so the detokenizer routes deltas back to the worker that owns the connection.
+
+The worker holds each live request's durable state: what was submitted (with a seed it picks when
+the client gave none) and the token ids streamed so far. When a backend actor restarts (a new
+epoch), it replays every live request as (prompt, tokens already generated); the pipeline picks
+it up like a preempted request, and the client sees a pause.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import random
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import structlog
 from aiohttp import web
 
 from actors.base import Actor
 from actors.control import ActorState
 from actors.kinds import Kind, make_rid
-from api.app import build_app
+from actors.pipeline import LIVE_GAUGE
+from api.app import Overloaded, build_app
 from runtime.config import ModelConfig
 from transport.codec import unpack
 
+log = structlog.get_logger()
 SCHEDULER_GAUGES = ("used_pages", "total_pages", "running", "waiting", "cached_pages")
+PING_S = 1.0  # a ping goes through the pipeline this often
+HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
+
+
+@dataclass
+class LiveRequest:
+    meta: dict
+    ids: list[int] | None
+    inbox: asyncio.Queue
+    generated: list[int] = field(default_factory=list)
 
 
 class ApiWorker(Actor):
@@ -28,49 +49,97 @@ class ApiWorker(Actor):
         self.worker = self.options["worker"]
         self.served_model = serve.served_model_name
         self.max_model_len = ModelConfig.load(Path(serve.model_dir)).max_position
-        self.inboxes: dict[int, asyncio.Queue] = {}
+        self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
+        self.request_timeout = serve.request_timeout
+        self.live: dict[int, LiveRequest] = {}
         self._counter = itertools.count(1)
+        self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
+        self.last_pong = 0.0
+        self._replaying: asyncio.Task | None = None
         self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, serve.host, serve.port, reuse_port=True).start()
 
     def on_epoch(self, epoch: int) -> None:
-        """A backend actor restarted and its requests are gone: fail them now rather than leave
-        clients waiting. (Replaying them instead is the recovery work still to come.)"""
-        for rid, inbox in self.inboxes.items():
-            inbox.put_nowait({"rid": rid, "error": {"message": "the serving pipeline restarted; retry the request", "status": 503}})
-        self.inboxes.clear()
+        """A backend actor restarted and dropped every request: hand them all in again (once: a
+        replay still under way belongs to an epoch that is gone). /health waits for a ping of
+        the new epoch to come back."""
+        self.last_pong = 0.0
+        loop = asyncio.get_running_loop()
+        loop.create_task(self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {}))
+        if self._replaying is not None:
+            self._replaying.cancel()
+        self._replaying = loop.create_task(self._replay(), name="replay") if self.live else None
+
+    async def _replay(self) -> None:
+        log.info("replaying", requests=len(self.live))
+        for rid, live in list(self.live.items()):
+            await self.send("tokenizer", Kind.SUBMIT, rid, {**live.meta, "replay": True},
+                            [live.ids if live.ids is not None else [], live.generated])
 
     async def teardown(self) -> None:
         await self.runner.cleanup()
 
     async def run(self) -> None:
+        pinger = asyncio.create_task(self._ping(), name="ping")
+        try:
+            while True:
+                _, frame = await self.next_frame()
+                if frame.kind == Kind.PING:
+                    self.last_pong = time.monotonic()
+                    continue
+                for delta in unpack(frame)[0]["deltas"]:
+                    self._deliver(delta)
+        finally:
+            pinger.cancel()
+
+    def _deliver(self, delta: dict) -> None:
+        if delta.get("abort"):  # a stop string ended it in the detokenizer: free it upstream
+            asyncio.get_running_loop().create_task(self.send("tokenizer", Kind.ABORT, delta["rid"], {}))
+        live = self.live.get(delta["rid"])
+        if live is None:
+            return
+        live.generated += delta.get("token_ids", ())
+        live.inbox.put_nowait(delta)
+        if "error" in delta or delta.get("finish") is not None:
+            self._forget(delta["rid"])
+
+    async def _ping(self) -> None:
+        """A ping through tokenizer, scheduler, engine and detokenizer back here keeps /health honest."""
         while True:
-            _, frame = await self.next_frame()
-            meta, _ = unpack(frame)
-            for delta in meta["deltas"]:
-                if delta.get("abort"):
-                    await self.send("tokenizer", Kind.ABORT, delta["rid"], {})
-                inbox = self.inboxes.get(delta["rid"])
-                if inbox is not None:
-                    inbox.put_nowait(delta)
-                    if "error" in delta or delta.get("finish") is not None:
-                        del self.inboxes[delta["rid"]]
+            await self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {})
+            await asyncio.sleep(PING_S)
+
+    def _forget(self, rid: int) -> None:
+        self.live.pop(rid, None)
+        self.slot["gauges"][LIVE_GAUGE] = len(self.live)
 
     # -- the Gateway the app talks to ---------------------------------------------------------
 
+    def check_capacity(self) -> None:
+        """Refuse at once, before any work, when the server holds all it may."""
+        if self.control.draining:
+            raise Overloaded("the server is shutting down")
+        if sum(self.control.slots[i]["gauges"][LIVE_GAUGE] for i in self._workers) >= self.capacity:
+            raise Overloaded("the server is at capacity: every running and queued place is taken")
+
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int:
         rid = make_rid(self.worker, next(self._counter))
-        self.inboxes[rid] = inbox
+        if meta["params"]["seed"] is None:  # picked here, so that a replay samples the same tokens
+            meta["params"]["seed"] = random.getrandbits(63)
+        self.live[rid] = LiveRequest(meta, ids, inbox)
+        self.slot["gauges"][LIVE_GAUGE] = len(self.live)
         await self.send("tokenizer", Kind.SUBMIT, rid, meta, [ids] if ids is not None else ())
         return rid
 
     async def abort(self, rid: int) -> None:
-        self.inboxes.pop(rid, None)
-        await self.send("tokenizer", Kind.ABORT, rid, {})
+        if rid in self.live:
+            self._forget(rid)
+            await self.send("tokenizer", Kind.ABORT, rid, {})
 
     def healthy(self) -> bool:
-        return bool((self.control.slots["state"] == ActorState.READY).all())
+        ready = bool((self.control.slots["state"] == ActorState.READY).all())
+        return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:
         gauges = self.control.slots[self.control.index("scheduler")]["gauges"]

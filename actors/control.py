@@ -19,7 +19,7 @@ from transport.segment import Segment
 
 MAGIC = 0x52494E4743544C31  # "RINGCTL1"
 _NAMES_BYTES = 16 << 10
-_HEADER = np.dtype([("magic", "<u8"), ("supervisor_pid", "<i8"), ("epoch", "<u8"), ("names_len", "<u8")])
+_HEADER = np.dtype([("magic", "<u8"), ("supervisor_pid", "<i8"), ("epoch", "<u8"), ("names_len", "<u8"), ("draining", "<u8")])
 SLOT = np.dtype(
     [
         ("pid", "<i8"),
@@ -76,6 +76,15 @@ class ControlBlock:
     @epoch.setter
     def epoch(self, value: int) -> None:
         self._header["epoch"] = value
+
+    @property
+    def draining(self) -> bool:
+        """Set by the supervisor on SIGTERM: api workers refuse new requests."""
+        return bool(self._header["draining"])
+
+    @draining.setter
+    def draining(self, value: bool) -> None:
+        self._header["draining"] = int(value)
 
     @property
     def supervisor_pid(self) -> int:

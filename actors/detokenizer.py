@@ -47,6 +47,9 @@ class DetokenizerActor(Actor):
         while True:
             _, frame = await self.next_frame()
             meta, arrays = unpack(frame)
+            if frame.kind == Kind.PING:
+                await self.send(f"api{worker_of(frame.rid)}", Kind.PING, frame.rid, {})
+                continue
             if frame.kind == Kind.ERROR:
                 self.streams.pop(frame.rid, None)
                 await self.send(f"api{worker_of(frame.rid)}", Kind.DELTAS, 0, {"deltas": [{"rid": frame.rid, "error": meta}]})
@@ -66,10 +69,25 @@ class DetokenizerActor(Actor):
             detok = item["detok"]
             self.streams[rid] = Stream(detok["stop"], detok["skip_special_tokens"], detok["top_logprobs"],
                                        prompt_tokens=item["prompt_tokens"], cached_tokens=item["cached_tokens"])
+            for token in detok["generated"]:  # a replay: rebuild the state its client has already seen
+                self._advance(self.streams[rid], [token], None)
         stream = self.streams.get(rid)
         if stream is None:  # finished here already (a stop string), or aborted
             return None
-        finish = item["finish"]
+        text, finish = self._advance(stream, new, item["finish"])
+        delta = {"rid": rid, "text": text, "token_ids": new, "finish": finish}
+        if finish is not None and item["finish"] is None:
+            delta["abort"] = True  # a stop string ended it here: the scheduler must let go too
+        if "logprobs" in item:
+            delta["logprobs"] = self._logprob_entries(new, item["logprobs"], stream.top_logprobs)
+        if finish is not None:
+            del self.streams[rid]
+            delta["usage"] = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+                              "cached_tokens": stream.cached_tokens}
+        return delta
+
+    def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
+        """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
         stream.completion_tokens += len(new)
         if finish == "stop" and new:  # the stop token (EOS or a stop id) leaves no text, as in vLLM
             stream.ids += new[:-1]
@@ -82,16 +100,7 @@ class DetokenizerActor(Actor):
         elif finish is None:
             keep = held_back(text, stream.stop)
             text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
-        delta = {"rid": rid, "text": text, "token_ids": new, "finish": finish}
-        if finish is not None and item["finish"] is None:
-            delta["abort"] = True  # a stop string ended it here: the scheduler must let go too
-        if "logprobs" in item:
-            delta["logprobs"] = self._logprob_entries(new, item["logprobs"], stream.top_logprobs)
-        if finish is not None:
-            del self.streams[rid]
-            delta["usage"] = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-                              "cached_tokens": stream.cached_tokens}
-        return delta
+        return text, finish
 
     def _decode_new(self, stream: Stream) -> str:
         """Text of the newest ids, held back while it ends inside a multi-byte character."""

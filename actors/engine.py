@@ -1,14 +1,19 @@
 """The engine actor: executes step plans in order and answers with the sampled tokens.
 
 It keeps the device one step ahead: a plan that arrives while the previous step still runs is
-queued behind it at once, and a step's results are sent as soon as the device has them.
+queued behind it at once, and a step's results are sent as soon as the device has them. While
+steps are in flight it stamps when it last made progress (WATCHDOG_GAUGE); the supervisor treats
+a stamp older than --watchdog-timeout as a crash.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
 from pathlib import Path
+
+import structlog
 
 from actors.base import Actor
 from actors.kinds import Kind
@@ -17,24 +22,37 @@ from runtime.scheduler import MAX_IN_FLIGHT
 from runtime.step import plan_from_wire, results_to_wire
 from transport.codec import unpack
 
+log = structlog.get_logger()
+
+
+POOL_GAUGE, WATCHDOG_GAUGE = 0, 1
+
 
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
+        started = time.monotonic()
         self.engine = Engine(Path(serve.model_dir), serve.engine)
+        log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[tuple[int, PendingStep]] = deque()
-        self.slot["gauges"][0] = self.engine.num_pages  # the scheduler sizes its page table from this
+        self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
 
     def on_epoch(self, epoch: int) -> None:
         self.engine.reset()
         self.in_flight.clear()
+        self.slot["gauges"][WATCHDOG_GAUGE] = 0.0
 
     async def run(self) -> None:
         while True:
             await self.yield_if_due()
             got = self.poll_frame() if self.in_flight else await self.next_frame()
             if got is not None:
+                if got[1].kind == Kind.PING:
+                    await self.send("scheduler", Kind.PING, got[1].rid, {})
+                    continue
                 plan = plan_from_wire(*unpack(got[1]))
+                if not self.in_flight:
+                    self.slot["gauges"][WATCHDOG_GAUGE] = time.monotonic()
                 self.in_flight.append((plan.step, self.engine.launch(plan)))
                 if len(self.in_flight) < MAX_IN_FLIGHT:
                     continue
@@ -43,4 +61,5 @@ class EngineActor(Actor):
                 continue
             step, pending = self.in_flight.popleft()
             meta, arrays = results_to_wire(step, pending.result())
+            self.slot["gauges"][WATCHDOG_GAUGE] = time.monotonic() if self.in_flight else 0.0
             await self.send("scheduler", Kind.SAMPLED, step, meta, arrays)

@@ -12,6 +12,7 @@ class Kind(IntEnum):
     SAMPLED = 6  # engine → scheduler: the tokens a step sampled
     TOKENS = 7  # scheduler → detokenizer: new tokens and finishes, one frame per step
     DELTAS = 8  # detokenizer → api worker: text deltas, one frame per step
+    PING = 9  # api worker → tokenizer → scheduler → engine → scheduler → detokenizer → api worker
 
 
 def worker_of(rid: int) -> int:

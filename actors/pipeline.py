@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from actors.topology import ActorSpec, Edge, Topology
 from runtime.config import EngineConfig
 
+LIVE_GAUGE = 0  # an api worker's live requests: summed across workers for admission, awaited on drain
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -15,6 +17,9 @@ class ServeConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_workers: int = 1
+    max_queued_requests: int = 1024  # beyond running + queued, new requests get a 503 at once
+    request_timeout: float | None = None  # seconds a request may take, queueing included
+    watchdog_timeout: float = 60.0  # an engine step with no progress for this long is a crash
     engine: EngineConfig = field(default_factory=EngineConfig)
 
 
@@ -28,9 +33,11 @@ def pipeline(config: ServeConfig) -> Topology:
     actors = (
         ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options),
         ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
-        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True),
+        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True,
+                  watchdog_s=config.watchdog_timeout),
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options),
-        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}) for i, name in enumerate(workers)),
+        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=LIVE_GAUGE)
+          for i, name in enumerate(workers)),
     )
     edges = (
         *(Edge(name, "tokenizer") for name in workers),

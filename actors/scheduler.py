@@ -53,12 +53,15 @@ class SchedulerActor(Actor):
         meta, arrays = unpack(frame)
         if frame.kind == Kind.REQUEST:
             params = SamplingParams(**meta["params"])
+            generated = arrays[1].tolist()
             try:
-                self.core.add(frame.rid, arrays[0].tolist(), params)
+                self.core.add(frame.rid, arrays[0].tolist(), params, generated)
             except ValueError as exc:
                 await self.send("detokenizer", Kind.ERROR, frame.rid, {"message": str(exc), "status": 400})
                 return
-            self.announce[frame.rid] = meta["detok"]
+            self.announce[frame.rid] = {**meta["detok"], "generated": generated}
+        elif frame.kind == Kind.PING:
+            await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
         elif frame.kind == Kind.ABORT:
             if (request := self.core.abort(frame.rid)) is not None:
                 await self._emit([request])

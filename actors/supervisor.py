@@ -35,6 +35,7 @@ class SupervisorConfig:
     hang_timeout_s: float = 30.0  # a ready actor whose heartbeat is older than this is killed
     ready_timeout_s: float = 600.0  # start-up may load weights
     stop_timeout_s: float = 5.0  # after a stop request, stragglers are killed
+    shutdown_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
     check_interval_s: float = 0.25
     max_backoff_s: float = 5.0  # for an actor that keeps dying before it is ready
 
@@ -57,6 +58,7 @@ class Supervisor:
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
         self._stopping = False
+        self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self.control: ControlBlock | None = None
         self._rings: dict[tuple[str, str], Ring] = {}
@@ -80,7 +82,22 @@ class Supervisor:
         return 0
 
     def _on_signal(self, signum: int, frame) -> None:
-        self._stopping = True
+        if signum == signal.SIGTERM and self.control is not None and not self._stopping:
+            self._drain_until = time.monotonic() + self.config.shutdown_timeout_s
+            self.control.draining = True
+        else:
+            self._stopping = True
+
+    def _drained(self) -> bool:
+        """On SIGTERM: are the requests in hand finished, or out of time?"""
+        if self._drain_until is None:
+            return False
+        busy = [i for i, a in enumerate(self.topology.actors)
+                if a.drain_gauge is not None and self.control.slots[i]["gauges"][a.drain_gauge] > 0]
+        if busy and time.monotonic() < self._drain_until:
+            return False
+        log.info("drained", unfinished=len(busy))
+        return True
 
     def start(self) -> None:
         self._sweep_stale()
@@ -128,7 +145,7 @@ class Supervisor:
                 if fired in sentinels:
                     self._on_exit(sentinels[fired])
             self._drain_wakeups()
-            if self._stopping:
+            if self._stopping or self._drained():
                 break
             self._kill_hung()
             now = time.monotonic()
@@ -204,10 +221,14 @@ class Supervisor:
     def _kill_hung(self) -> None:
         now = time.monotonic()
         for index, proc in self._procs.items():
-            slot = self.control.slots[index]
+            slot, watchdog = self.control.slots[index], self.topology.actors[index].watchdog_s
             ready = slot["state"] == ActorState.READY
             age = now - (float(slot["heartbeat"]) if ready else self._started_at[index])
             limit = self.config.hang_timeout_s if ready else self.config.ready_timeout_s
+            if ready and watchdog is not None:
+                limit = watchdog
+                if progress := float(slot["gauges"][1]):
+                    age = max(age, now - progress)
             if age > limit:
                 log.warning("actor_hung", child=self._name(index), pid=proc.pid, silent_s=round(age, 3))
                 proc.kill()  # its sentinel fires on the next wait and restarts it

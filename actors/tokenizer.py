@@ -1,6 +1,7 @@
 """The tokenizer actor: chat templates and batch encoding of everything that is waiting.
 
-Stateless: each frame is a whole request, and the result goes straight on to the scheduler.
+Stateless: each frame is a whole request, and the result goes straight on to the scheduler. A
+replayed request is encoded again (encoding is deterministic) and keeps the tokens it already has.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from actors.kinds import Kind
 from runtime.config import ModelConfig
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
-
 
 
 class TokenizerActor(Actor):
@@ -30,25 +30,27 @@ class TokenizerActor(Actor):
             submissions = []
             for _, frame in batch:
                 meta, arrays = unpack(frame)
-                if frame.kind == Kind.ABORT:
-                    await self.send("scheduler", Kind.ABORT, frame.rid, {})
+                if frame.kind in (Kind.ABORT, Kind.PING):
+                    await self.send("scheduler", frame.kind, frame.rid, {})
                 else:
-                    submissions.append((frame.rid, meta, arrays[0].tolist() if arrays else None))
+                    ids = arrays[0].tolist() if arrays and len(arrays[0]) else None
+                    generated = arrays[1].tolist() if len(arrays) > 1 else []  # a replay's tokens so far
+                    submissions.append((frame.rid, meta, ids, generated))
             if submissions:
                 await self._tokenize(submissions)
 
     async def _tokenize(self, submissions: list) -> None:
         texts, todo = [], []
-        for rid, meta, ids in submissions:
+        for rid, meta, ids, generated in submissions:
             if ids is None:
                 try:
                     texts.append(self._text_of(meta))
                 except Exception as exc:  # a template that rejects the messages
                     await self._refuse(rid, f"the chat template failed: {exc}")
                     continue
-            todo.append((rid, meta, ids))
+            todo.append((rid, meta, ids, generated))
         encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
-        for rid, meta, ids in todo:
+        for rid, meta, ids, generated in todo:
             ids = ids if ids is not None else next(encoded)
             limit = self.max_position
             if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
@@ -63,7 +65,7 @@ class TokenizerActor(Actor):
                     f"max_tokens asks for {meta['params']['max_tokens']} more", param="max_tokens",
                 )
             else:
-                await self.send("scheduler", Kind.REQUEST, rid, meta, [ids])
+                await self.send("scheduler", Kind.REQUEST, rid, meta, [ids, generated])
 
     def _text_of(self, meta: dict) -> str:
         if meta.get("messages") is not None:

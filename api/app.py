@@ -17,6 +17,7 @@ from api.protocol import ApiError, Completion, choice, envelope, logprobs_block,
 log = structlog.get_logger()
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 << 20
+RETRY_AFTER_S = 1
 
 
 class Gateway(Protocol):
@@ -24,6 +25,12 @@ class Gateway(Protocol):
 
     served_model: str
     max_model_len: int
+
+    request_timeout: float | None
+
+    def check_capacity(self) -> None:
+        """Raise Overloaded when no new request may enter."""
+        ...
 
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int: ...
 
@@ -62,6 +69,26 @@ def _raise_if_refused(delta: dict) -> None:
         raise ApiError(error["message"], error.get("status", 400), param=error.get("param"))
 
 
+class Overloaded(Exception):
+    """Raised by Gateway.check_capacity: answered with a 503 and Retry-After, before any work."""
+
+
+class Inbox(asyncio.Queue):
+    """A request's deltas; `get` fails the request once --request-timeout has passed."""
+
+    def __init__(self, timeout: float | None) -> None:
+        super().__init__()
+        self.deadline = None if timeout is None else time.monotonic() + timeout
+
+    async def get(self) -> dict:
+        if self.deadline is None:
+            return await super().get()
+        try:
+            return await asyncio.wait_for(super().get(), max(0.0, self.deadline - time.monotonic()))
+        except TimeoutError:
+            raise ApiError("the request took longer than the server's --request-timeout", 408, code="timeout") from None
+
+
 @dataclass
 class ChoiceState:
     index: int
@@ -90,7 +117,13 @@ class Handlers:
         except orjson.JSONDecodeError as exc:
             raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
         c = parse(body, chat, self.gateway.served_model)
-        inbox: asyncio.Queue = asyncio.Queue()
+        try:
+            self.gateway.check_capacity()
+        except Overloaded as exc:
+            error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
+            return web.Response(body=orjson.dumps(error.body()), status=503, content_type="application/json",
+                                headers={"Retry-After": str(RETRY_AFTER_S)})
+        inbox = Inbox(self.gateway.request_timeout)
         choices: dict[int, ChoiceState] = {}
         try:
             for p, prompt in enumerate(c.prompts):
@@ -176,6 +209,9 @@ class Handlers:
         healthy = self.gateway.healthy()
         return _json({"status": "ok" if healthy else "unavailable"}, 200 if healthy else 503)
 
+    async def live(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok"})
+
     async def version(self, request: web.Request) -> web.Response:
         return _json({"version": VERSION})
 
@@ -191,6 +227,7 @@ def build_app(gateway: Gateway) -> web.Application:
         web.post("/v1/completions", h.completions),
         web.get("/v1/models", h.models),
         web.get("/health", h.health),
+        web.get("/health/live", h.live),
         web.get("/version", h.version),
         web.get("/server_info", h.server_info),
     ])

@@ -22,7 +22,6 @@ import datetime
 import importlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 import orjson
+
+from benchmarks.server import free_port, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -85,28 +86,12 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
     return figures
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: bool) -> dict[str, float]:
     import aiohttp
 
     async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=3600)) as http:
-        deadline = time.monotonic() + 900
-        while True:  # start-up loads weights and captures CUDA graphs
-            try:
-                async with http.get("/health") as reply:
-                    if reply.status == 200:
-                        break
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise TimeoutError("the server did not become healthy")
-            await asyncio.sleep(0.5)
+        await wait_healthy(http, 900)  # start-up loads weights and captures CUDA graphs
 
         async def complete(ids: list[int], max_tokens: int, temperature: float, seed: int) -> int:
             body = {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
@@ -130,7 +115,7 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
 
 
 def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
-    port = _free_port()
+    port = free_port()
     options = engine_options(args)
     command = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(args.model), "--served-model-name", "bench",
                "--dummy-weights", "--port", str(port), "--api-workers", str(args.api_workers),

@@ -50,7 +50,9 @@ class KVPool:
         self.page_size, self.device, self.dtype = page_size, device, dtype
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # uninitialised: a slot is written before any step reads it, and a restarted engine is
+        # back sooner without touching every page of a large pool
+        self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

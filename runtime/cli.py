@@ -46,7 +46,8 @@ def serve(args: argparse.Namespace) -> int:
     configure_logging("supervisor")
     model_dir = resolve_model_dir(args.model)
     engine = EngineConfig(
-        page_size=args.page_size, num_pages=args.num_pages, max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size, num_pages=args.num_pages,
+        max_prefill_tokens=args.max_prefill_tokens or (8192 if args.device.startswith("cuda") else 512),
         max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
         dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend or ("flashinfer" if args.device.startswith("cuda") else "torch"),
         mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -54,8 +55,11 @@ def serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
         host=args.host, port=args.port, api_workers=args.api_workers, engine=engine,
+        max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
+        watchdog_timeout=args.watchdog_timeout,
     )
-    return Supervisor(pipeline(config), SupervisorConfig(hang_timeout_s=args.hang_timeout)).run()
+    supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
+    return Supervisor(pipeline(config), supervisor).run()
 
 
 async def _chat(base_url: str, temperature: float | None) -> int:
@@ -113,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--page-size", type=int, default=16)
     s.add_argument("--num-pages", type=int, help="KV pool size in pages")
     s.add_argument("--max-running-requests", type=int, default=256)
-    s.add_argument("--max-prefill-tokens", type=int, default=8192, help="the prefill chunk budget of one step")
+    s.add_argument("--max-prefill-tokens", type=int,
+                   help="the prefill chunk budget of one step (default: 8192 on CUDA; 512 on CPU, where 2048 tokens take "
+                        "seconds of a small model and stall every decode behind them)")
     s.add_argument("--disable-prefix-cache", action="store_true")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     s.add_argument("--device", default="cpu")
@@ -121,7 +127,11 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: share of device memory for weights and KV cache")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="CUDA: largest decode batch replayed as a graph; 0: off")
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
+    s.add_argument("--max-queued-requests", type=int, default=1024, help="beyond running + queued, new requests get a 503")
+    s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")
     s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
+    s.add_argument("--watchdog-timeout", type=float, default=60.0, help="seconds an engine step may make no progress")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may take")
 
     st = commands.add_parser("status", help="list the actors of a running server")
     st.add_argument("--port", type=int, default=8000)

@@ -60,7 +60,9 @@ class Scheduler:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams) -> Request:
+    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = ()) -> Request:
+        """Queue a request; `generated` are tokens it already has (a replay), which it recomputes
+        like a preempted request before drawing more."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_position:
@@ -68,7 +70,7 @@ class Scheduler:
         if self.config.pages_for(len(prompt_ids) + 1) > self.allocator.num_pages:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(rid, list(prompt_ids), params, seed)
+        request = Request(rid, list(prompt_ids), params, seed, list(generated))
         self.waiting.append(request)
         return request
 

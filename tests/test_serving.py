@@ -141,32 +141,41 @@ def test_busy_actors_keep_their_heartbeat(smol_server):
     assert len(ages) >= 10 and max(ages) < 3.0, ages  # the hang threshold is 30 s; a busy loop must not near it
 
 
-async def _killed_mid_stream(server, victim_pid: int) -> tuple[bytes, float]:
-    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True, "stream": True}
+async def _stream_text(server, victim_pid: int | None = None) -> tuple[str, float | None]:
+    """A seeded, sampled stream's text; with a victim, SIGKILL it after the 20th event and time the
+    pause until the next one."""
+    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True,
+            "temperature": 0.8, "seed": 11}
     async with aiohttp.ClientSession(server.base_url) as http:
         async with http.post("/v1/completions", json=body) as reply:
-            lines, killed_at = [], None
+            texts, killed_at, pause = [], None, None
             async for line in reply.content:
-                lines.append(line)
-                if len(lines) == 20:
+                if not line.startswith(b"data: {"):
+                    continue
+                if killed_at is not None and pause is None:
+                    pause = time.monotonic() - killed_at
+                event = orjson.loads(line[6:])
+                assert "error" not in event, event
+                texts.append(event["choices"][0]["text"])
+                if len(texts) == 20 and victim_pid is not None:
                     os.kill(victim_pid, signal.SIGKILL)
                     killed_at = time.monotonic()
-            return b"".join(lines), time.monotonic() - killed_at
+            return "".join(texts), pause
 
 
-def test_engine_killed_mid_stream_fails_fast_and_the_server_recovers(tiny_model, smollm2, tmp_path):
+def test_engine_killed_mid_stream_the_stream_continues_unchanged(tiny_model, smollm2, tmp_path):
     from tests.conftest import ringllm
 
     served = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
     server = launch(served, tmp_path / "serve.log")
     try:
+        reference, _ = asyncio.run(_stream_text(server))
         status = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
         engine = next(row["pid"] for row in status if row["name"] == "engine")
-        streamed, waited = asyncio.run(_killed_mid_stream(server, engine))
-        assert b'"error"' in streamed and b"restarted" in streamed and waited < 10
+        replayed, pause = asyncio.run(_stream_text(server, engine))
+        assert replayed == reference and pause < 10
+        print(f"engine SIGKILL mid-stream: the stream paused {pause * 1e3:.0f} ms and went on unchanged")
         wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the pipeline to be healthy again")
-        ids = asyncio.run(complete_ids(server.base_url, server.model, [[5, 6, 7]]))
-        assert len(ids[0]) == NEW_TOKENS
         epochs = {row["epoch"] for row in orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)}
         assert epochs == {2}  # one restart, and every actor (the detokenizer too) followed it
     finally:

@@ -1,0 +1,260 @@
+"""Chaos: kill or freeze actors under streaming load and check that every stream is unchanged.
+
+It starts a `ringllm serve`, runs a fault-free load of streaming completions (greedy and seeded
+sampling) and records every stream's text and token ids. Then, for each chosen actor kind, it
+repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments, and compares
+every stream with the reference. The last line printed is one JSON object:
+
+    requests, completed, mismatched, lost, kills{kind: n}, recovery_ms_p50, recovery_ms_max,
+    recovery_ms{kind: [p50, max]}, leaked_pages, leaked_segments, orphans
+
+recovery_ms runs from a kill to the next token of a stream that was in flight at the kill.
+
+    python -m benchmarks.chaos --quick                 # SmolLM2, one kill per backend kind
+    python -m benchmarks.chaos --kills 5 --signal stop # five freezes per kind
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import aiohttp
+import orjson
+import psutil
+
+from actors.control import ControlBlock
+from benchmarks.server import free_port, wait_healthy
+from transport.segment import list_segments, server_prefix
+
+BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
+PROMPT_VOCAB = 512  # prompt token ids stay below this, so that tiny test models serve them too
+
+
+@dataclass
+class Stream:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    arrivals: list[float] = field(default_factory=list)  # monotonic time of each event
+    error: str | None = None
+    sent: float = 0.0
+
+
+def _bodies(count: int, max_tokens: int, model: str = "chaos") -> list[dict]:
+    """Half greedy, half seeded sampling; prompts of different lengths as token ids."""
+    rng = random.Random(0)
+    bodies = []
+    for i in range(count):
+        body = {"model": model, "prompt": [rng.randrange(PROMPT_VOCAB) for _ in range(rng.randint(4, 48))], "max_tokens": max_tokens,
+                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i})
+        bodies.append(body)
+    return bodies
+
+
+class Server:
+    def __init__(self, model: str, port: int, log: Path, extra: list[str]) -> None:
+        self.port, self.base_url = port, f"http://127.0.0.1:{port}"
+        with open(log, "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "runtime.cli", "serve", "--model", model, "--served-model-name", "chaos",
+                 "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        self.descendants: set[int] = set()
+
+    def actors(self) -> dict[str, list[int]]:
+        """Live pids by actor kind, from the control block."""
+        control = ControlBlock.attach(str(self.port))
+        try:
+            pids: dict[str, list[int]] = {}
+            for (_, kind), slot in zip(control.actors, control.slots):
+                pids.setdefault(kind, []).append(int(slot["pid"]))
+            return pids
+        finally:
+            control.close()
+
+    def epoch(self) -> int:
+        control = ControlBlock.attach(str(self.port))
+        try:
+            return control.epoch
+        finally:
+            control.close()
+
+    def remember_processes(self) -> None:
+        try:
+            self.descendants |= {p.pid for p in psutil.Process(self.proc.pid).children(recursive=True)}
+        except psutil.NoSuchProcess:
+            pass
+
+    def stop(self) -> int:
+        """SIGINT, then what is left: orphaned processes."""
+        self.remember_processes()
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        time.sleep(0.5)
+        return sum(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in self.descendants)
+
+
+async def _stream(http: aiohttp.ClientSession, body: dict, out: Stream) -> Stream:
+    """Fills `out` as events arrive, so that a watcher sees the stream progress."""
+    out.sent = time.monotonic()
+    try:
+        async with http.post("/v1/completions", json=body) as reply:
+            if reply.status != 200:
+                out.error = f"HTTP {reply.status}: {await reply.text()}"
+                return out
+            async for line in reply.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                if "error" in event:
+                    out.error = event["error"]["message"]
+                    return out
+                out.arrivals.append(time.monotonic())
+                choice = event["choices"][0]
+                out.text += choice["text"]
+                out.token_ids += choice.get("token_ids") or []
+                out.finish = choice["finish_reason"] or out.finish
+    except aiohttp.ClientError as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
+    return out
+
+
+async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[Stream] | None = None) -> list[Stream]:
+    streams = streams if streams is not None else [Stream() for _ in bodies]
+    return await asyncio.gather(*(_stream(http, body, out) for body, out in zip(bodies, streams)))
+
+
+async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int,
+                       sig: signal.Signals, rng: random.Random) -> tuple[list[Stream], list[tuple[float, float]]]:
+    """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
+    happened and when the supervisor had noticed it (the epoch moved on). Each kill comes at a
+    random moment after the previous one has recovered: the pipeline is healthy and a stream in
+    flight has had a token since the restart."""
+    streams = [Stream() for _ in bodies]
+    load = asyncio.create_task(_load(http, bodies, streams))
+    kill_times: list[tuple[float, float]] = []
+    for _ in range(kills):
+        await wait_healthy(http, 120)
+        while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(rng.uniform(0.2, 0.8))
+        if load.done():
+            break
+        pid, epoch = rng.choice(server.actors()[kind]), server.epoch()
+        server.remember_processes()
+        os.kill(pid, sig)
+        killed_at = time.monotonic()
+        while server.epoch() == epoch:
+            await asyncio.sleep(0.005)
+        kill_times.append((killed_at, time.monotonic()))
+    return await load, kill_times
+
+
+def _recovery_ms(streams: list[Stream], killed_at: float, noticed_at: float) -> float | None:
+    """From a kill to the next token, after the restart began, of a stream in flight at the kill."""
+    nexts = [next(t for t in s.arrivals if t > noticed_at) for s in streams
+             if s.sent < killed_at and s.arrivals and s.arrivals[-1] > noticed_at]
+    return (min(nexts) - killed_at) * 1e3 if nexts else None
+
+
+def _leaked_pages(info: dict) -> int:
+    gauges = info["scheduler"]
+    return gauges["used_pages"] - gauges["cached_pages"] if gauges["running"] == gauges["waiting"] == 0 else -1
+
+
+async def run(args: argparse.Namespace) -> dict:
+    port = free_port()
+    extra = ["--api-workers", str(args.api_workers), "--hang-timeout", str(args.hang_timeout),
+             "--watchdog-timeout", str(args.hang_timeout), *args.serve_args]
+    server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
+    rng = random.Random(args.seed)
+    summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "recovery_ms": {}}
+    recoveries: list[float] = []
+    try:
+        timeout = aiohttp.ClientTimeout(total=600)
+        async with aiohttp.ClientSession(server.base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+            await wait_healthy(http, 300)
+            bodies = _bodies(args.requests, args.max_tokens)
+            reference = await _load(http, bodies)
+            if failed := [s.error for s in reference if s.error or s.finish is None]:
+                raise RuntimeError(f"the fault-free load failed: {failed[:3]}")
+            sig = signal.SIGSTOP if args.signal == "stop" else signal.SIGKILL
+            for kind in args.kinds:
+                done, kind_recoveries = 0, []
+                while done < args.kills:
+                    streams, kill_times = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
+                    done += len(kill_times)
+                    kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
+                    for got, want in zip(streams, reference):
+                        summary["requests"] += 1
+                        if got.error or got.finish is None:
+                            summary["lost"] += 1
+                        elif (got.text, got.token_ids, got.finish) != (want.text, want.token_ids, want.finish):
+                            summary["mismatched"] += 1
+                        else:
+                            summary["completed"] += 1
+                    await wait_healthy(http, 120)
+                summary["kills"][kind] = done
+                recoveries += kind_recoveries
+                summary["recovery_ms"][kind] = [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] \
+                    if kind_recoveries else None
+            await asyncio.sleep(0.5)  # the last aborts and finishes settle
+            async with http.get("/server_info") as reply:
+                summary["leaked_pages"] = _leaked_pages(await reply.json())
+    finally:
+        summary["orphans"] = server.stop()
+        summary["leaked_segments"] = len(list_segments(server_prefix(str(port))))
+    summary["recovery_ms_p50"] = round(statistics.median(recoveries)) if recoveries else None
+    summary["recovery_ms_max"] = round(max(recoveries)) if recoveries else None
+    return summary
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])
+    parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--quick", action="store_true", help="one kill per kind, 64 short streams: minutes, not more")
+    parser.add_argument("--kinds", nargs="+", default=list(BACKEND_KINDS), choices=BACKEND_KINDS)
+    parser.add_argument("--kills", type=int, default=5, help="kills per actor kind")
+    parser.add_argument("--signal", choices=["kill", "stop"], default="kill", help="SIGKILL, or SIGSTOP (a hang)")
+    parser.add_argument("--requests", type=int, default=64)
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--api-workers", type=int, default=2)
+    parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, help="also append the summary, with the command, to this JSON file")
+    parser.add_argument("serve_args", nargs="*", help="more `ringllm serve` flags, after --")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.kills = 1
+    if args.model is None:
+        from runtime.model_source import default_model_dir
+
+        args.model = str(default_model_dir())
+    summary = asyncio.run(run(args))
+    if args.out is not None:
+        runs = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []
+        command = " ".join(["python -m benchmarks.chaos", *(sys.argv[1:] if argv is None else argv)])
+        runs.append({"command": command, "date": datetime.date.today().isoformat(), "summary": summary})
+        args.out.write_bytes(orjson.dumps({"runs": runs}, option=orjson.OPT_INDENT_2) + b"\n")
+    print(orjson.dumps(summary).decode())
+    return summary
+
+
+if __name__ == "__main__":
+    main()

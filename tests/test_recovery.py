@@ -1,0 +1,178 @@
+"""Crash-proofing over real processes: replay after backend kills and hangs, a dead api worker,
+admission and backpressure, request timeouts, honest health, and graceful drain on SIGTERM."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import aiohttp
+import orjson
+import psutil
+import pytest
+
+from benchmarks.chaos import _bodies, _load
+from tests.conftest import ROOT, launch, ringllm, wait_for, with_tokenizer
+from transport.segment import list_segments, server_prefix
+
+
+@pytest.fixture
+def served(tiny_model, smollm2, tmp_path):
+    return with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
+
+
+def chaos(*args: str) -> dict:
+    result = subprocess.run([sys.executable, "-m", "benchmarks.chaos", *args], cwd=ROOT, capture_output=True, text=True,
+                            timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = orjson.loads(result.stdout.strip().splitlines()[-1])
+    print(summary)
+    return summary
+
+
+def assert_clean(summary: dict) -> None:
+    assert summary["completed"] == summary["requests"] > 0
+    assert summary["mismatched"] == summary["lost"] == 0
+    assert summary["leaked_pages"] == summary["leaked_segments"] == summary["orphans"] == 0
+
+
+def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served):
+    summary = chaos("--quick", "--model", str(served))
+    assert_clean(summary)
+    assert summary["kills"] == {"tokenizer": 1, "scheduler": 1, "engine": 1, "detokenizer": 1}
+
+
+def test_hung_engine_is_recovered_within_the_watchdog_timeout(served):
+    watchdog = 2.0
+    summary = chaos("--model", str(served), "--kinds", "engine", "--signal", "stop", "--kills", "1",
+                    "--hang-timeout", str(watchdog))
+    assert_clean(summary)
+    assert summary["recovery_ms_max"] < (watchdog + 5) * 1e3
+
+
+def server_processes(server) -> list[psutil.Process]:
+    return psutil.Process(server.proc.pid).children(recursive=True)
+
+
+def test_a_dead_api_worker_ends_only_its_own_connections(served, tmp_path):
+    server = launch(served, tmp_path / "serve.log", "--api-workers", "2")
+    try:
+        bodies = _bodies(32, 200, server.model)
+
+        async def scenario():
+            async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+                reference = await _load(http, bodies)
+                load = asyncio.create_task(_load(http, bodies))
+                await asyncio.sleep(0.3)
+                rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
+                os.kill(next(r["pid"] for r in rows if r["name"] == "api1"), signal.SIGKILL)
+                return reference, await load
+
+        reference, streams = asyncio.run(scenario())
+        failed = [s for s in streams if s.error]
+        completed = [(s, r) for s, r in zip(streams, reference) if not s.error]
+        assert failed and completed and all(s.text == r.text and s.token_ids == r.token_ids for s, r in completed)
+        assert all(not s.error.startswith("HTTP") for s in failed), failed  # dropped connections, not refusals
+        print(f"api worker SIGKILL: {len(failed)} of {len(streams)} connections dropped, the rest unchanged")
+        wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the restarted worker")
+        wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "requests to settle")
+        info = server.get("/server_info")["scheduler"]
+        assert info["used_pages"] == info["cached_pages"]  # nothing of the dead worker's requests holds pages
+    finally:
+        assert server.stop() < 5
+
+
+def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_path):
+    server = launch(served, tmp_path / "serve.log", "--api-workers", "2", "--max-running-requests", "2",
+                    "--max-queued-requests", "4")
+    try:
+        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True}
+
+        async def one(http: aiohttp.ClientSession) -> tuple[int, float, dict, str | None]:
+            started = time.monotonic()
+            async with http.post("/v1/completions", json=body) as reply:
+                answer = await reply.json()
+                return reply.status, time.monotonic() - started, answer, reply.headers.get("Retry-After")
+
+        async def bursts(count: int) -> list:
+            async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+                return await asyncio.gather(*(one(http) for _ in range(count)))
+
+        rss = []
+        for _ in range(5):
+            results = asyncio.run(bursts(60))  # 10x the queue limit
+            rss.append(sum(p.memory_info().rss for p in server_processes(server)))
+            refused = [r for r in results if r[0] == 503]
+            accepted = [r for r in results if r[0] == 200]
+            assert len(refused) + len(accepted) == 60 and len(accepted) >= 6 and refused
+            assert all(seconds < 0.1 and retry == "1" and answer["error"]["code"] == "overloaded"
+                       for _, seconds, answer, retry in refused), max(r[1] for r in refused)
+            assert all(a["usage"]["completion_tokens"] == 64 for _, _, a, _ in accepted)
+        growth = rss[-1] - rss[0]
+        print(f"overload: {len(refused)} of 60 refused, slowest 503 in {max(r[1] for r in refused) * 1e3:.1f} ms; "
+              f"server RSS changed {growth / 2**20:+.1f} MiB from burst 1 to burst 5")
+        assert growth < 32 << 20
+    finally:
+        assert server.stop() < 5
+
+
+def test_request_timeout_ends_a_request_with_408(served, tmp_path):
+    server = launch(served, tmp_path / "serve.log", "--request-timeout", "0.5")
+    try:
+        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+
+        async def call():
+            async with aiohttp.ClientSession(server.base_url) as http:
+                slow = asyncio.create_task(http.post("/v1/completions", json=body))
+                async with await slow as reply:
+                    return reply.status, await reply.json()
+
+        status, answer = asyncio.run(call())
+        assert status == 408 and answer["error"]["code"] == "timeout"
+        wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "the timed-out request to be aborted")
+    finally:
+        assert server.stop() < 5
+
+
+def test_health_is_503_while_an_actor_is_down_and_live_stays_200(served, tmp_path):
+    server = launch(served, tmp_path / "serve.log", "--hang-timeout", "2")
+    try:
+        wait_for(lambda: server.get("/health")["status"] == "ok", 10, "the first ping")
+        rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        os.kill(next(r["pid"] for r in rows if r["name"] == "scheduler"), signal.SIGSTOP)  # frozen, not dead
+        wait_for(lambda: server.get("/health")["status"] == "unavailable", 10, "/health to notice")
+        assert server.get("/health/live")["status"] == "ok"
+        wait_for(lambda: server.get("/health")["status"] == "ok", 20, "the hung scheduler to be replaced")
+    finally:
+        assert server.stop() < 5
+
+
+def test_sigterm_drains_in_flight_requests_then_leaves_nothing(served, tmp_path):
+    server = launch(served, tmp_path / "serve.log", "--api-workers", "2")
+    bodies = _bodies(16, 400, server.model)
+
+    async def scenario():
+        async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+            load = asyncio.create_task(_load(http, bodies))
+            await asyncio.sleep(0.3)
+            server.proc.send_signal(signal.SIGTERM)
+            await asyncio.sleep(0.1)
+            async with http.post("/v1/completions", json={"model": server.model, "prompt": "late"}) as late:
+                late_status = late.status
+            return await load, late_status
+
+    children = server_processes(server)
+    try:
+        streams, late_status = asyncio.run(scenario())
+        assert late_status == 503
+        assert all(s.error is None and len(s.token_ids) == 400 for s in streams)
+        assert server.proc.wait(timeout=30) == 0
+        assert not list_segments(server_prefix(str(server.port)))
+        assert not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    finally:
+        if server.proc.poll() is None:
+            server.stop()
