@@ -54,6 +54,7 @@ class ApiWorker(Actor):
         self.live: dict[int, LiveRequest] = {}
         self._counter = itertools.count(1)
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
+        self.slot["gauges"][LIVE_GAUGE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0
         self._replaying: asyncio.Task | None = None
         self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
@@ -69,13 +70,19 @@ class ApiWorker(Actor):
         loop.create_task(self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {}))
         if self._replaying is not None:
             self._replaying.cancel()
-        self._replaying = loop.create_task(self._replay(), name="replay") if self.live else None
+        # the snapshot is taken now: a request submitted from here on is already of the new epoch
+        self._replaying = loop.create_task(self._replay(list(self.live), epoch), name="replay") if self.live else None
 
-    async def _replay(self) -> None:
-        log.info("replaying", requests=len(self.live))
-        for rid, live in list(self.live.items()):
-            await self.send("tokenizer", Kind.SUBMIT, rid, {**live.meta, "replay": True},
-                            [live.ids if live.ids is not None else [], live.generated])
+    async def _replay(self, rids: list[int], epoch: int) -> None:
+        log.info("replaying", requests=len(rids))
+        try:
+            for rid in rids:
+                if (live := self.live.get(rid)) is not None:  # not finished or aborted meanwhile
+                    await self.send("tokenizer", Kind.SUBMIT, rid, {**live.meta, "replay": True},
+                                    [live.ids if live.ids is not None else [], live.generated], epoch=epoch)
+        except Exception:
+            log.exception("replay_failed")
+            raise
 
     async def teardown(self) -> None:
         await self.runner.cleanup()
@@ -116,11 +123,11 @@ class ApiWorker(Actor):
 
     # -- the Gateway the app talks to ---------------------------------------------------------
 
-    def check_capacity(self) -> None:
-        """Refuse at once, before any work, when the server holds all it may."""
+    def check_capacity(self, count: int) -> None:
+        """Refuse at once, before any work, when `count` more requests would not fit."""
         if self.control.draining:
             raise Overloaded("the server is shutting down")
-        if sum(self.control.slots[i]["gauges"][LIVE_GAUGE] for i in self._workers) >= self.capacity:
+        if sum(self.control.slots[i]["gauges"][LIVE_GAUGE] for i in self._workers) + count > self.capacity:
             raise Overloaded("the server is at capacity: every running and queued place is taken")
 
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int:
@@ -129,7 +136,11 @@ class ApiWorker(Actor):
             meta["params"]["seed"] = random.getrandbits(63)
         self.live[rid] = LiveRequest(meta, ids, inbox)
         self.slot["gauges"][LIVE_GAUGE] = len(self.live)
-        await self.send("tokenizer", Kind.SUBMIT, rid, meta, [ids] if ids is not None else ())
+        try:
+            await self.send("tokenizer", Kind.SUBMIT, rid, meta, [ids] if ids is not None else ())
+        except BaseException:  # cancelled by a client that left, or too large for the ring
+            self._forget(rid)
+            raise
         return rid
 
     async def abort(self, rid: int) -> None:
@@ -138,7 +149,7 @@ class ApiWorker(Actor):
             await self.send("tokenizer", Kind.ABORT, rid, {})
 
     def healthy(self) -> bool:
-        ready = bool((self.control.slots["state"] == ActorState.READY).all())
+        ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining
         return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:

@@ -102,8 +102,14 @@ class Actor:
                     return peer, frame
         return None
 
-    async def send(self, peer: str, kind: int, rid: int, meta: dict, arrays=()) -> None:
-        await codec.send(self.outputs[peer], kind, rid, meta, arrays, epoch=self.epoch)
+    async def send(self, peer: str, kind: int, rid: int, meta: dict, arrays=(), epoch: int | None = None) -> None:
+        """`epoch`: that of the frame this output comes from. The actor may have moved to a newer
+        epoch while it worked (across an await); output of a gone epoch is dropped here rather
+        than stamped as new."""
+        epoch = self.epoch if epoch is None else epoch
+        if epoch < self.epoch:
+            return
+        await codec.send(self.outputs[peer], kind, rid, meta, arrays, epoch=epoch)
 
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch

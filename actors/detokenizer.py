@@ -48,11 +48,12 @@ class DetokenizerActor(Actor):
             _, frame = await self.next_frame()
             meta, arrays = unpack(frame)
             if frame.kind == Kind.PING:
-                await self.send(f"api{worker_of(frame.rid)}", Kind.PING, frame.rid, {})
+                await self.send(f"api{worker_of(frame.rid)}", Kind.PING, frame.rid, {}, epoch=frame.epoch)
                 continue
             if frame.kind == Kind.ERROR:
                 self.streams.pop(frame.rid, None)
-                await self.send(f"api{worker_of(frame.rid)}", Kind.DELTAS, 0, {"deltas": [{"rid": frame.rid, "error": meta}]})
+                await self.send(f"api{worker_of(frame.rid)}", Kind.DELTAS, 0, {"deltas": [{"rid": frame.rid, "error": meta}]},
+                                epoch=frame.epoch)
                 continue
             by_worker: dict[int, list[dict]] = defaultdict(list)
             tokens = iter(arrays[0].tolist())
@@ -61,7 +62,7 @@ class DetokenizerActor(Actor):
                 if (delta := self._apply(item, new)) is not None:
                     by_worker[worker_of(item["rid"])].append(delta)
             for worker, deltas in by_worker.items():
-                await self.send(f"api{worker}", Kind.DELTAS, 0, {"deltas": deltas})
+                await self.send(f"api{worker}", Kind.DELTAS, 0, {"deltas": deltas}, epoch=frame.epoch)
 
     def _apply(self, item: dict, new: list[int]) -> dict | None:
         rid = item["rid"]

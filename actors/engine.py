@@ -9,6 +9,7 @@ a stamp older than --watchdog-timeout as a crash.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections import deque
 from pathlib import Path
@@ -31,8 +32,12 @@ POOL_GAUGE, WATCHDOG_GAUGE = 0, 1
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
+        self.slot["gauges"][WATCHDOG_GAUGE] = 0.0  # a stamp left by a predecessor that died mid-step
+        config = serve.engine
+        if pages := int(self.slot["gauges"][POOL_GAUGE]):  # a restart keeps the pool the scheduler knows
+            config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
-        self.engine = Engine(Path(serve.model_dir), serve.engine)
+        self.engine = Engine(Path(serve.model_dir), config)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[tuple[int, PendingStep]] = deque()
         self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this

@@ -41,10 +41,15 @@ class SchedulerActor(Actor):
         while True:
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
-            if len(self.in_flight) < MAX_IN_FLIGHT and (plan := self.core.schedule()):
+            epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
+            plan = self.core.schedule() if len(self.in_flight) < MAX_IN_FLIGHT else None
+            if ended := self.core.take_ended():
+                await self._emit(ended, with_token=False, epoch=epoch)
+            if plan:
                 meta, arrays = plan_to_wire(plan)
-                await self.send("engine", Kind.STEP, plan.step, meta, arrays)
-                self.in_flight.append(plan.step)
+                await self.send("engine", Kind.STEP, plan.step, meta, arrays, epoch=epoch)
+                if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
+                    self.in_flight.append(plan.step)
                 self._publish_gauges()
                 continue
             await self._handle(*await self.next_frame())
@@ -72,8 +77,9 @@ class SchedulerActor(Actor):
             await self._emit(self.core.update(meta["step"], results_from_wire(meta, arrays)))
         self._publish_gauges()
 
-    async def _emit(self, requests: list[Request]) -> None:
-        """One frame per step: each request's newest token, and its finish reason if it finished."""
+    async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
+        """One frame per step: each request's newest token, and its finish reason if it finished
+        (without a token: it was aborted, or outgrew the KV pool while being planned)."""
         if not requests:
             return
         items, tokens = [], []
@@ -82,7 +88,7 @@ class SchedulerActor(Actor):
             if request.rid in self.announce:  # first tokens: what the detokenizer must know
                 item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
                             cached_tokens=request.cached_tokens)
-            if request.finish_reason == "abort":
+            if request.finish_reason == "abort" or not with_token:
                 item["n"] = 0
             else:
                 item["n"] = 1
@@ -90,7 +96,7 @@ class SchedulerActor(Actor):
                 if request.params.logprobs is not None:
                     item["logprobs"] = list(request.logprobs[-1].items())
             items.append(item)
-        await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens])
+        await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens], epoch=epoch)
 
     def _publish_gauges(self) -> None:
         core = self.core

@@ -82,10 +82,10 @@ class Supervisor:
         return 0
 
     def _on_signal(self, signum: int, frame) -> None:
-        if signum == signal.SIGTERM and self.control is not None and not self._stopping:
+        if signum == signal.SIGTERM and self.control is not None and self._drain_until is None:
             self._drain_until = time.monotonic() + self.config.shutdown_timeout_s
             self.control.draining = True
-        else:
+        else:  # SIGINT, or a second SIGTERM: stop now
             self._stopping = True
 
     def _drained(self) -> bool:

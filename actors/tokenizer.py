@@ -27,50 +27,52 @@ class TokenizerActor(Actor):
             batch = [await self.next_frame()]
             while (more := self.poll_frame()) is not None:  # encode all that waits in one call
                 batch.append(more)
-            submissions = []
+            submissions: dict[int, tuple] = {}
             for _, frame in batch:
                 meta, arrays = unpack(frame)
                 if frame.kind in (Kind.ABORT, Kind.PING):
-                    await self.send("scheduler", frame.kind, frame.rid, {})
+                    if frame.kind == Kind.ABORT:
+                        submissions.pop(frame.rid, None)  # submitted and aborted in one batch: never forward it
+                    await self.send("scheduler", frame.kind, frame.rid, {}, epoch=frame.epoch)
                 else:
                     ids = arrays[0].tolist() if arrays and len(arrays[0]) else None
                     generated = arrays[1].tolist() if len(arrays) > 1 else []  # a replay's tokens so far
-                    submissions.append((frame.rid, meta, ids, generated))
+                    submissions[frame.rid] = (frame.rid, frame.epoch, meta, ids, generated)
             if submissions:
-                await self._tokenize(submissions)
+                await self._tokenize(list(submissions.values()))
 
     async def _tokenize(self, submissions: list) -> None:
         texts, todo = [], []
-        for rid, meta, ids, generated in submissions:
+        for rid, epoch, meta, ids, generated in submissions:
             if ids is None:
                 try:
                     texts.append(self._text_of(meta))
                 except Exception as exc:  # a template that rejects the messages
-                    await self._refuse(rid, f"the chat template failed: {exc}")
+                    await self._refuse(rid, epoch, f"the chat template failed: {exc}")
                     continue
-            todo.append((rid, meta, ids, generated))
+            todo.append((rid, epoch, meta, ids, generated))
         encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
-        for rid, meta, ids, generated in todo:
+        for rid, epoch, meta, ids, generated in todo:
             ids = ids if ids is not None else next(encoded)
             limit = self.max_position
             if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
                 meta["params"]["max_tokens"] = max(1, limit - len(ids))
             if not ids:
-                await self._refuse(rid, "the prompt is empty")
+                await self._refuse(rid, epoch, "the prompt is empty")
             elif max(ids) >= self.vocab_size:
-                await self._refuse(rid, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
+                await self._refuse(rid, epoch, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
             elif len(ids) + meta["params"]["max_tokens"] > limit:
                 await self._refuse(
-                    rid, f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} and "
+                    rid, epoch, f"this model's maximum context length is {limit} tokens; the prompt has {len(ids)} and "
                     f"max_tokens asks for {meta['params']['max_tokens']} more", param="max_tokens",
                 )
             else:
-                await self.send("scheduler", Kind.REQUEST, rid, meta, [ids, generated])
+                await self.send("scheduler", Kind.REQUEST, rid, meta, [ids, generated], epoch=epoch)
 
     def _text_of(self, meta: dict) -> str:
         if meta.get("messages") is not None:
             return self.tokenizer.apply_chat_template(meta["messages"], add_generation_prompt=True, tokenize=False)
         return meta["prompt"]
 
-    async def _refuse(self, rid: int, message: str, param: str | None = None) -> None:
-        await self.send("scheduler", Kind.ERROR, rid, {"message": message, "param": param, "status": 400})
+    async def _refuse(self, rid: int, epoch: int, message: str, param: str | None = None) -> None:
+        await self.send("scheduler", Kind.ERROR, rid, {"message": message, "param": param, "status": 400}, epoch=epoch)

@@ -28,8 +28,8 @@ class Gateway(Protocol):
 
     request_timeout: float | None
 
-    def check_capacity(self) -> None:
-        """Raise Overloaded when no new request may enter."""
+    def check_capacity(self, count: int) -> None:
+        """Raise Overloaded when `count` more requests may not enter."""
         ...
 
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int: ...
@@ -118,7 +118,7 @@ class Handlers:
             raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
         c = parse(body, chat, self.gateway.served_model)
         try:
-            self.gateway.check_capacity()
+            self.gateway.check_capacity(len(c.prompts) * c.n)
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
             return web.Response(body=orjson.dumps(error.body()), status=503, content_type="application/json",

@@ -6,7 +6,8 @@ repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments,
 every stream with the reference. The last line printed is one JSON object:
 
     requests, completed, mismatched, lost, kills{kind: n}, recovery_ms_p50, recovery_ms_max,
-    recovery_ms{kind: [p50, max]}, leaked_pages, leaked_segments, orphans
+    recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
+    leaked_segments, orphans
 
 recovery_ms runs from a kill to the next token of a stream that was in flight at the kill.
 
@@ -35,7 +36,7 @@ import orjson
 import psutil
 
 from actors.control import ControlBlock
-from benchmarks.server import free_port, wait_healthy
+from benchmarks.server import free_port, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
@@ -68,9 +69,8 @@ class Server:
     def __init__(self, model: str, port: int, log: Path, extra: list[str]) -> None:
         self.port, self.base_url = port, f"http://127.0.0.1:{port}"
         with open(log, "wb") as out:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "runtime.cli", "serve", "--model", model, "--served-model-name", "chaos",
-                 "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            self.proc = start_server(["--model", model, "--served-model-name", "chaos", "--port", str(port), *extra],
+                                     stdout=out, stderr=subprocess.STDOUT)
         self.descendants: set[int] = set()
 
     def actors(self) -> dict[str, list[int]]:
@@ -214,9 +214,12 @@ async def run(args: argparse.Namespace) -> dict:
                 recoveries += kind_recoveries
                 summary["recovery_ms"][kind] = [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] \
                     if kind_recoveries else None
-            await asyncio.sleep(0.5)  # the last aborts and finishes settle
-            async with http.get("/server_info") as reply:
-                summary["leaked_pages"] = _leaked_pages(await reply.json())
+            for _ in range(100):  # the last aborts and finishes settle
+                async with http.get("/server_info") as reply:
+                    if (leaked := _leaked_pages(await reply.json())) >= 0:
+                        break
+                await asyncio.sleep(0.1)
+            summary["leaked_pages"] = leaked
     finally:
         summary["orphans"] = server.stop()
         summary["leaked_segments"] = len(list_segments(server_prefix(str(port))))

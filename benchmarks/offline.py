@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from benchmarks.server import free_port, wait_healthy
+from benchmarks.server import free_port, start_server, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -117,10 +117,9 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
 def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
     port = free_port()
     options = engine_options(args)
-    command = [sys.executable, "-m", "runtime.cli", "serve", "--model", str(args.model), "--served-model-name", "bench",
-               "--dummy-weights", "--port", str(port), "--api-workers", str(args.api_workers),
-               *(f"--{key.replace('_', '-')}={value}" for key, value in options.items())]
-    server = subprocess.Popen(command, start_new_session=True)
+    server = start_server(["--model", str(args.model), "--served-model-name", "bench", "--dummy-weights", "--port", str(port),
+                           "--api-workers", str(args.api_workers),
+                           *(f"--{key.replace('_', '-')}={value}" for key, value in options.items())])
     try:
         return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, args.single))
     finally:

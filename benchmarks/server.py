@@ -1,12 +1,31 @@
-"""What the benchmarks that drive a real `ringllm serve` share: a free port, and waiting for health."""
+"""What the benchmarks that drive a real `ringllm serve` share: starting it, a free port, and
+waiting for health."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import signal
 import socket
+import subprocess
+import sys
 import time
 
 import aiohttp
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _stop_with_parent() -> None:
+    """In the server's process: SIGINT (a clean stop) when the benchmark that started it dies, so
+    a killed benchmark leaves no server behind."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
+
+
+def start_server(args: list[str], **popen) -> subprocess.Popen:
+    """`ringllm serve ARGS` in its own session (a terminal's Ctrl-C is the benchmark's to handle)."""
+    return subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", *args], start_new_session=True,
+                            preexec_fn=_stop_with_parent, **popen)
 
 
 def free_port() -> int:

@@ -50,9 +50,13 @@ class KVPool:
         self.page_size, self.device, self.dtype = page_size, device, dtype
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-        # uninitialised: a slot is written before any step reads it, and a restarted engine is
-        # back sooner without touching every page of a large pool
+        # A slot is written before any step reads it, so the CPU pool stays uninitialised: a
+        # restarted engine is back sooner without touching every page. On CUDA, zeroing costs
+        # milliseconds and keeps garbage out of kernels that load whole tiles.
         self.kv = [torch.empty(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if device.type == "cuda":
+            for layer in self.kv:
+                layer.zero_()
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

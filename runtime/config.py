@@ -32,6 +32,7 @@ class ModelConfig:
     max_position: int
     tie_word_embeddings: bool
     attention_bias: bool  # Qwen2: biases on q, k and v
+    output_bias: bool  # Llama or Mistral with attention_bias: a bias on o_proj too
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     rope: RopeConfig
     eos_token_ids: tuple[int, ...]
@@ -65,6 +66,7 @@ class ModelConfig:
             max_position=raw.get("max_position_embeddings", 4096),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
+            output_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
             qk_norm=arch == "Qwen3ForCausalLM",
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),

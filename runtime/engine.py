@@ -194,6 +194,9 @@ class Engine:
         if self.device.type == "cuda":
             host = torch.empty(len(slots), dtype=torch.int64, pin_memory=True)
             host.copy_(drawn.tokens, non_blocking=True)
+            if drawn.logprob_rows:  # to pinned memory behind the same event: reading them must not wait on later steps
+                drawn.top_ids, drawn.top_values, drawn.chosen = (
+                    t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen))
             done = torch.cuda.Event()
             done.record()
             step = PendingStep(states, slots, rows, drawn, host, done)

@@ -16,6 +16,7 @@ from runtime.models import MODELS
 from runtime.models.dense import STACKED
 
 log = structlog.get_logger()
+IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
 
 
 def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool,
@@ -60,6 +61,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    unknown = []
     with torch.no_grad():
         for file in files:
             with safe_open(str(file), framework="pt") as f:
@@ -68,8 +70,12 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
                         key, target = found
                         target.copy_(f.get_tensor(name))
                         missing.discard(key)
+                    elif not name.endswith(IGNORED):
+                        unknown.append(name)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    if unknown:  # a tensor the model has no place for would be silently lost: a wrong model
+        raise ValueError(f"{model_dir} has weights this model does not use: {sorted(unknown)[:5]}")
     log.info("weights_loaded", model_dir=str(model_dir), files=len(files))
 
 

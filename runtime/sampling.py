@@ -45,7 +45,7 @@ class Sample:
 def row_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
     """[B, 2] 32-bit keys from splitmix64(seed * MIX + position)."""
     with np.errstate(over="ignore"):
-        x = np.array(seeds, dtype=np.uint64) * np.uint64(_MIX) + np.array(positions, dtype=np.uint64)
+        x = np.array([s % 2**64 for s in seeds], dtype=np.uint64) * np.uint64(_MIX) + np.array(positions, dtype=np.uint64)
         x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
         x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
         x ^= x >> np.uint64(31)
@@ -109,20 +109,19 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
 
 
 def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
-    """Log of the temperature-scaled probabilities with what top-k, top-p and min-p exclude at
-    -inf; the most likely token always survives."""
+    """Log of the temperature-scaled probabilities (unnormalised) with what top-k, then top-p,
+    then min-p exclude at -inf, in Hugging Face's order: top-p measures the mass of what top-k
+    kept, renormalised. The most likely token always survives."""
     device = logits.device
-    temperature = torch.tensor([p.temperature for p in params], device=device)[:, None]
-    probs = torch.softmax(logits / temperature, dim=-1)
-    min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
-    probs = torch.where(probs < min_p * probs.amax(-1, keepdim=True), 0.0, probs)
-    sorted_probs, order = probs.sort(dim=-1, descending=True)
-    rank = torch.arange(probs.shape[1], device=device)[None, :]
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else probs.shape[1] for p in params], device=device)[:, None]
-    top_p = torch.tensor([p.top_p for p in params], device=device)[:, None]
-    drop = (rank >= top_k) | ((sorted_probs.cumsum(-1) - sorted_probs) > top_p)
-    drop[:, 0] = False
-    return torch.zeros_like(probs).scatter_(1, order, sorted_probs.masked_fill(drop, 0.0)).log()
+    column = lambda values: torch.tensor(values, device=device, dtype=torch.float32)[:, None]  # noqa: E731
+    sorted_probs, order = torch.softmax(logits / column([p.temperature for p in params]), dim=-1).sort(dim=-1, descending=True)
+    rank = torch.arange(sorted_probs.shape[1], device=device)[None, :]
+    kept = sorted_probs * (rank < column([p.top_k if p.top_k > 0 else sorted_probs.shape[1] for p in params]))
+    renormalised = kept / kept.sum(-1, keepdim=True)
+    kept = kept.masked_fill((renormalised.cumsum(-1) - renormalised) > column([p.top_p for p in params]), 0.0)
+    kept = kept.masked_fill(kept < column([p.min_p for p in params]) * kept[:, :1], 0.0)
+    kept[:, 0] = sorted_probs[:, 0]
+    return torch.zeros_like(kept).scatter_(1, order, kept).log()
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:

@@ -56,6 +56,7 @@ class Scheduler:
         self._seeds = random.Random(config.seed)
         self.reused_prefix_tokens = 0
         self.preemptions = 0
+        self.ended: list[Request] = []  # finished while planning (they outgrew the pool); see take_ended
         self._step = 0
 
     # -- requests ---------------------------------------------------------------------------
@@ -73,6 +74,10 @@ class Scheduler:
         request = Request(rid, list(prompt_ids), params, seed, list(generated))
         self.waiting.append(request)
         return request
+
+    def take_ended(self) -> list[Request]:
+        ended, self.ended = self.ended, []
+        return ended
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,10 +97,11 @@ class Scheduler:
         for request in list(self.running):
             if request.slot is None or (request.decoding and self._fully_planned(request)):
                 continue  # preempted earlier in this loop, or its last token is already being drawn
-            count = 1 if request.decoding else min(len(request.tokens) - request.computed, budget)
+            prefilling = not request.decoding
+            count = min(len(request.tokens) - request.computed, budget) if prefilling else 1
             if count and self._grow(request, count, plan):
                 self._feed(request, count, plan)
-                budget -= 0 if request.decoding else count
+                budget -= count if prefilling else 0
         while self.waiting and budget > 0 and self._free_slots:
             request = self.waiting[0]
             if not self._admit(request, plan):
@@ -156,7 +162,16 @@ class Scheduler:
         return self.allocator.num_free >= count
 
     def _grow(self, request: Request, count: int, plan: StepPlan) -> bool:
-        """Pages for `count` more tokens, preempting the newest requests if the pool is short."""
+        """Pages for `count` more tokens, preempting the newest requests if the pool is short. A
+        request that would outgrow the whole pool ends there, as at the end of the context:
+        preempting it would only bring it back to the same wall."""
+        if self.config.pages_for(request.computed + count) > self.allocator.num_pages:
+            request.finish_reason = "length"
+            self._finish(request)
+            plan.freed.extend(self._freed)
+            self._freed = []
+            self.ended.append(request)
+            return False
         needed = self.config.pages_for(request.computed + count) - len(request.pages)
         while not self._reserve(needed):
             victim = self.running[-1]

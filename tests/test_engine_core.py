@@ -139,3 +139,43 @@ def test_dummy_weights_need_only_a_config(tiny_model, tmp_path):
     assert all(len(o.token_ids) == 24 for o in out)
     with pytest.raises(FileNotFoundError):
         LLM(tmp_path, page_size=16)  # without the flag, weights are required
+
+
+def test_a_step_never_prefills_more_than_the_budget(tiny_model):
+    llm = LLM(tiny_model("llama"), page_size=16, max_prefill_tokens=100)
+    launch, fed = llm.engine.launch, []
+
+    def recording(plan):
+        fed.append(sum(len(c.token_ids) for c in plan.chunks))
+        return launch(plan)
+
+    llm.engine.launch = recording
+    llm.generate(random_prompts(4, range(150, 151), seed=13), SamplingParams(max_tokens=2, temperature=0))
+    assert max(fed) == 100  # a chunk that ends its prompt counts against the budget too
+
+
+def test_a_request_that_outgrows_the_whole_pool_ends_with_length(tiny_model):
+    llm = LLM(tiny_model("llama"), page_size=4, num_pages=4)  # 16 tokens of KV in all
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))[0]
+    assert out.finish_reason == "length" and 0 < len(out.token_ids) <= 13  # not a preemption loop
+    assert llm.scheduler.allocator.num_free + llm.scheduler.cache.cached_pages == 4
+
+
+def test_filters_apply_in_order_top_k_then_top_p_then_min_p():
+    from runtime.sampling import _filtered_log_probs
+
+    def kept(probs: list[float], **params) -> list[int]:
+        logits = torch.tensor([probs]).log()
+        out = _filtered_log_probs(logits, [SamplingParams(temperature=1.0, **params)])
+        return torch.nonzero(out[0] > float("-inf")).flatten().tolist()
+
+    assert kept([0.5, 0.3, 0.2], top_k=2, top_p=0.6) == [0]  # top-p of the renormalised top-2: .625 > .6
+    assert kept([0.5, 0.3, 0.2], top_p=0.6) == [0, 1]
+    assert kept([0.5, 0.2, 0.15, 0.15], min_p=0.35) == [0, 1]
+    assert kept([0.3, 0.25, 0.2, 0.15, 0.1], top_k=3) == [0, 1, 2]
+
+
+def test_any_integer_seed_samples(tiny_model):
+    llm = LLM(tiny_model("llama"), page_size=16)
+    for seed in (-1, 2**64 + 5):
+        assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.7, seed=seed))[0].token_ids) == 4

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.conftest import launch, with_tokenizer
+from tests.conftest import launch, ringllm, with_tokenizer
 
 CASES = 1200
 
@@ -56,7 +56,7 @@ FIELDS = {
 
 @st.composite
 def requests(draw, model: str) -> tuple[str, str, dict[str, str], bytes]:
-    path = draw(st.sampled_from(["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4 + ["/v1/models", "/v1/nope", "/health"]))
+    path = draw(st.sampled_from(["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4 + ["/v1/models", "/v1/nope", "/version"]))
     optional = {name: strategy for name, strategy in FIELDS.items() if name != "max_tokens"}
     body = draw(st.fixed_dictionaries({"max_tokens": FIELDS["max_tokens"]},
                                       optional={"model": st.sampled_from([model, "gpt-4", ""]) | anything, **optional}))
@@ -103,6 +103,7 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_server):
         except (http.client.HTTPException, ConnectionError):  # the server closed a keep-alive connection
             connection.close()
             connection = http.client.HTTPConnection("127.0.0.1", fuzz_server.port, timeout=60)
+            seen["closed"] = seen.get("closed", 0) + 1
             return
         seen[status] = seen.get(status, 0) + 1
         assert status < 500, (case, body[:500])
@@ -111,6 +112,9 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_server):
 
     one()
     connection.close()
-    print(f"fuzz: {sum(seen.values())} requests answered, by status {dict(sorted(seen.items()))}")
+    closed = seen.pop("closed", 0)
+    print(f"fuzz: {sum(seen.values())} requests answered, by status {dict(sorted(seen.items()))}; {closed} connections closed")
     assert sum(seen.values()) >= 1000
     assert fuzz_server.get("/health")["status"] == "ok"
+    rows = orjson.loads(ringllm("status", "--json", "--port", str(fuzz_server.port)).stdout)
+    assert all(row["restarts"] == 0 for row in rows), rows  # no actor, api workers included, died on the way

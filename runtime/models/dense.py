@@ -27,7 +27,7 @@ class Attention(nn.Module):
         self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
