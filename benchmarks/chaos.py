@@ -40,6 +40,7 @@ from benchmarks.server import free_port, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
+MAX_ROUNDS_PER_KILL = 10  # loads tried per kill, should kills keep landing too late in them
 PROMPT_VOCAB = 512  # prompt token ids stay below this, so that tiny test models serve them too
 
 
@@ -144,8 +145,9 @@ async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list
                        sig: signal.Signals, rng: random.Random) -> tuple[list[Stream], list[tuple[float, float]]]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
     happened and when the supervisor had noticed it (the epoch moved on). Each kill comes at a
-    random moment after the previous one has recovered: the pipeline is healthy and a stream in
-    flight has had a token since the restart."""
+    random moment after the previous one has recovered (the pipeline is healthy and a stream in
+    flight has had a token since the restart), and only while streams still have half their
+    tokens to come, so that every kill interrupts generation; otherwise the round ends early."""
     streams = [Stream() for _ in bodies]
     load = asyncio.create_task(_load(http, bodies, streams))
     kill_times: list[tuple[float, float]] = []
@@ -153,8 +155,8 @@ async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list
         await wait_healthy(http, 120)
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(rng.uniform(0.2, 0.8))
-        if load.done():
+        await asyncio.sleep(rng.uniform(0.05, 0.5))
+        if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
         pid, epoch = rng.choice(server.actors()[kind]), server.epoch()
         server.remember_processes()
@@ -197,7 +199,9 @@ async def run(args: argparse.Namespace) -> dict:
             sig = signal.SIGSTOP if args.signal == "stop" else signal.SIGKILL
             for kind in args.kinds:
                 done, kind_recoveries = 0, []
-                while done < args.kills:
+                for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
+                    if done == args.kills:
+                        break
                     streams, kill_times = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
                     done += len(kill_times)
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]

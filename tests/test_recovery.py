@@ -49,9 +49,9 @@ def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served
 def test_hung_engine_is_recovered_within_the_watchdog_timeout(served):
     watchdog = 2.0
     summary = chaos("--model", str(served), "--kinds", "engine", "--signal", "stop", "--kills", "1",
-                    "--hang-timeout", str(watchdog))
+                    "--hang-timeout", str(watchdog), "--max-tokens", "96")
     assert_clean(summary)
-    assert summary["recovery_ms_max"] < (watchdog + 5) * 1e3
+    assert summary["recovery_ms_max"] is not None and summary["recovery_ms_max"] < (watchdog + 5) * 1e3
 
 
 def server_processes(server) -> list[psutil.Process]:
