@@ -67,7 +67,7 @@ class ApiWorker(Actor):
         the new epoch to come back."""
         self.last_pong = 0.0
         loop = asyncio.get_running_loop()
-        loop.create_task(self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {}))
+        loop.create_task(self._send_ping())
         if self._replaying is not None:
             self._replaying.cancel()
         # the snapshot is taken now: a request submitted from here on is already of the new epoch
@@ -78,7 +78,7 @@ class ApiWorker(Actor):
         try:
             for rid in rids:
                 if (live := self.live.get(rid)) is not None:  # not finished or aborted meanwhile
-                    await self.send("tokenizer", Kind.SUBMIT, rid, {**live.meta, "replay": True},
+                    await self.send("tokenizer", Kind.SUBMIT, rid, live.meta,
                                     [live.ids if live.ids is not None else [], live.generated], epoch=epoch)
         except Exception:
             log.exception("replay_failed")
@@ -114,8 +114,11 @@ class ApiWorker(Actor):
     async def _ping(self) -> None:
         """A ping through tokenizer, scheduler, engine and detokenizer back here keeps /health honest."""
         while True:
-            await self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {})
+            await self._send_ping()
             await asyncio.sleep(PING_S)
+
+    async def _send_ping(self) -> None:
+        await self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {})
 
     def _forget(self, rid: int) -> None:
         self.live.pop(rid, None)

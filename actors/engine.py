@@ -2,7 +2,7 @@
 
 It keeps the device one step ahead: a plan that arrives while the previous step still runs is
 queued behind it at once, and a step's results are sent as soon as the device has them. While
-steps are in flight it stamps when it last made progress (WATCHDOG_GAUGE); the supervisor treats
+steps are in flight it stamps when it last made progress (PROGRESS_GAUGE); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
 """
 
@@ -18,6 +18,8 @@ import structlog
 
 from actors.base import Actor
 from actors.kinds import Kind
+from actors.pipeline import POOL_GAUGE
+from actors.topology import PROGRESS_GAUGE
 from runtime.engine import Engine, PendingStep
 from runtime.scheduler import MAX_IN_FLIGHT
 from runtime.step import plan_from_wire, results_to_wire
@@ -26,13 +28,10 @@ from transport.codec import unpack
 log = structlog.get_logger()
 
 
-POOL_GAUGE, WATCHDOG_GAUGE = 0, 1
-
-
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
-        self.slot["gauges"][WATCHDOG_GAUGE] = 0.0  # a stamp left by a predecessor that died mid-step
+        self.slot["gauges"][PROGRESS_GAUGE] = 0.0  # a stamp left by a predecessor that died mid-step
         config = serve.engine
         if pages := int(self.slot["gauges"][POOL_GAUGE]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
@@ -45,7 +44,7 @@ class EngineActor(Actor):
     def on_epoch(self, epoch: int) -> None:
         self.engine.reset()
         self.in_flight.clear()
-        self.slot["gauges"][WATCHDOG_GAUGE] = 0.0
+        self.slot["gauges"][PROGRESS_GAUGE] = 0.0
 
     async def run(self) -> None:
         while True:
@@ -57,7 +56,7 @@ class EngineActor(Actor):
                     continue
                 plan = plan_from_wire(*unpack(got[1]))
                 if not self.in_flight:
-                    self.slot["gauges"][WATCHDOG_GAUGE] = time.monotonic()
+                    self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
                 self.in_flight.append((plan.step, self.engine.launch(plan)))
                 if len(self.in_flight) < MAX_IN_FLIGHT:
                     continue
@@ -66,5 +65,5 @@ class EngineActor(Actor):
                 continue
             step, pending = self.in_flight.popleft()
             meta, arrays = results_to_wire(step, pending.result())
-            self.slot["gauges"][WATCHDOG_GAUGE] = time.monotonic() if self.in_flight else 0.0
+            self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic() if self.in_flight else 0.0
             await self.send("scheduler", Kind.SAMPLED, step, meta, arrays)

@@ -8,6 +8,7 @@ from actors.topology import ActorSpec, Edge, Topology
 from runtime.config import EngineConfig
 
 LIVE_GAUGE = 0  # an api worker's live requests: summed across workers for admission, awaited on drain
+POOL_GAUGE = 0  # the engine's KV pool in pages: the scheduler's page table is sized from it
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from actors.base import Actor
 from actors.kinds import Kind
+from actors.pipeline import POOL_GAUGE
 from runtime.config import ModelConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
@@ -27,9 +28,9 @@ class SchedulerActor(Actor):
         self.engine_config = serve.engine
         self.eos, self.max_position = model.eos_token_ids, model.max_position
         engine = self.control.slots[self.control.index("engine")]
-        while not engine["gauges"][0]:  # the engine sizes the KV pool once its weights are in place
+        while not engine["gauges"][POOL_GAUGE]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
-        self.num_pages = int(engine["gauges"][0])
+        self.num_pages = int(engine["gauges"][POOL_GAUGE])
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:

@@ -21,7 +21,7 @@ import structlog
 
 from actors.base import ActorContext, actor_main
 from actors.control import ActorState, ControlBlock, pid_alive
-from actors.topology import Topology
+from actors.topology import PROGRESS_GAUGE, Topology
 from runtime.logs import configure_logging
 from transport.ring import Ring
 from transport.segment import list_segments, remove_segments
@@ -227,7 +227,7 @@ class Supervisor:
             limit = self.config.hang_timeout_s if ready else self.config.ready_timeout_s
             if ready and watchdog is not None:
                 limit = watchdog
-                if progress := float(slot["gauges"][1]):
+                if progress := float(slot["gauges"][PROGRESS_GAUGE]):
                     age = max(age, now - progress)
             if age > limit:
                 log.warning("actor_hung", child=self._name(index), pid=proc.pid, silent_s=round(age, 3))

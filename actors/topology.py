@@ -8,6 +8,8 @@ from typing import Any
 
 from transport.segment import server_prefix
 
+PROGRESS_GAUGE = 1  # where an actor with a watchdog stamps its progress
+
 
 @dataclass(frozen=True)
 class ActorSpec:
@@ -16,7 +18,7 @@ class ActorSpec:
     entry: str  # "module:Class" of an actors.base.Actor subclass, imported in the child
     options: dict[str, Any] = field(default_factory=dict)
     torch_threads: bool = False  # only the engine computes with torch; the rest get one thread
-    # a watchdog: when set, a ready actor whose heartbeat, or whose progress stamp (gauge 1, a
+    # a watchdog: when set, a ready actor whose heartbeat, or whose progress stamp (PROGRESS_GAUGE, a
     # CLOCK_MONOTONIC time while it has work, 0 when idle), is older than this is killed and restarted
     watchdog_s: float | None = None
     drain_gauge: int | None = None  # gauge counting requests in hand: on SIGTERM, wait for it to reach 0

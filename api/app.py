@@ -41,8 +41,8 @@ class Gateway(Protocol):
     def server_info(self) -> dict: ...
 
 
-def _json(body: dict, status: int = 200) -> web.Response:
-    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json")
+def _json(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
 @web.middleware
@@ -121,8 +121,7 @@ class Handlers:
             self.gateway.check_capacity(len(c.prompts) * c.n)
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
-            return web.Response(body=orjson.dumps(error.body()), status=503, content_type="application/json",
-                                headers={"Retry-After": str(RETRY_AFTER_S)})
+            return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
         inbox = Inbox(self.gateway.request_timeout)
         choices: dict[int, ChoiceState] = {}
         try:

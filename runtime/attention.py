@@ -142,17 +142,17 @@ class FlashInferAttention:
     def prepare(self, meta: AttentionMeta, graph_batch_size: int | None = None) -> None:
         pool = self.pool
         self._planned.synchronize()
-        kv_indptr, indices = torch.from_numpy(meta.kv_indptr), torch.from_numpy(meta.kv_indices)
+        kv_indptr = torch.from_numpy(meta.kv_indptr)
+        indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
         if meta.decode_only:
             self.active = self.decode if graph_batch_size is None else self.graph_wrappers[graph_batch_size]
-            self.active.plan(kv_indptr, indices.to(pool.device, non_blocking=True), last_page_len, *shape,
+            self.active.plan(kv_indptr, indices, last_page_len, *shape,
                              q_data_type=pool.dtype, kv_data_type=pool.dtype, seq_lens=torch.from_numpy(meta.kv_lens))
         else:
             self.active = self.prefill
-            self.prefill.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices.to(pool.device, non_blocking=True),
-                              last_page_len, *shape, causal=True, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+            self.prefill.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True, q_data_type=pool.dtype, kv_data_type=pool.dtype)
         self._planned.record()
 
     def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:

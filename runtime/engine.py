@@ -148,7 +148,7 @@ class Engine:
         tokens = int(qo_indptr[-1])
         positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
         ps = self.config.page_size
-        out_pages = self.page_table[np.repeat(seq_slots, q_lens), positions // ps]
+        out_pages, out_offsets = self.page_table[np.repeat(seq_slots, q_lens), positions // ps], positions % ps
         seq_pages = -(-kv_lens // ps)
         kv_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(seq_pages, out=kv_indptr[1:])
@@ -166,9 +166,9 @@ class Engine:
         decodes = np.array(plan.decodes, dtype=np.int64)
 
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
-            logits = self.graphs.replay(meta, positions, out_pages, positions % ps, self._to_device(decodes), self.last_tokens)
+            logits = self.graphs.replay(meta, positions, out_pages, out_offsets, self._to_device(decodes), self.last_tokens)
         else:
-            host = self._to_device(np.concatenate([positions, out_pages, positions % ps, decodes, qo_indptr[1:][sampled] - 1]))
+            host = self._to_device(np.concatenate([positions, out_pages, out_offsets, decodes, qo_indptr[1:][sampled] - 1]))
             input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
             n_chunk = tokens - len(decodes)
             if n_chunk:
@@ -192,9 +192,9 @@ class Engine:
 
     def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample) -> PendingStep:
         if self.device.type == "cuda":
-            host = torch.empty(len(slots), dtype=torch.int64, pin_memory=True)
-            host.copy_(drawn.tokens, non_blocking=True)
-            if drawn.logprob_rows:  # to pinned memory behind the same event: reading them must not wait on later steps
+            # to pinned host memory behind one event: reading them must not wait on later steps
+            host = drawn.tokens.to("cpu", non_blocking=True)
+            if drawn.logprob_rows:
                 drawn.top_ids, drawn.top_values, drawn.chosen = (
                     t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen))
             done = torch.cuda.Event()

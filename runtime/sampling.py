@@ -52,29 +52,33 @@ def row_keys(seeds: list[int], positions: list[int]) -> np.ndarray:
     return np.stack([x & np.uint64(_M32), x >> np.uint64(32)], axis=1).astype(np.int64)
 
 
-def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
-    """x * c mod 2**32 for x in [0, 2**32), without overflowing int64."""
-    return (x * (c & 0xFFFF) + (((x * (c >> 16)) & 0xFFFF) << 16)) & _M32
+def _mul32_(x: torch.Tensor, c: int) -> torch.Tensor:
+    """x *= c mod 2**32, in place, for x in [0, 2**32), without overflowing int64."""
+    low = x * (c & 0xFFFF)
+    return x.mul_(c >> 16).bitwise_and_(0xFFFF).bitwise_left_shift_(16).add_(low).bitwise_and_(_M32)
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    x = _mul32(x ^ (x >> 16), 0x7FEB352D)
-    x = _mul32(x ^ (x >> 15), 0x846CA68B)
-    return x ^ (x >> 16)
+def _mix32_(x: torch.Tensor) -> torch.Tensor:
+    _mul32_(x.bitwise_xor_(x >> 16), 0x7FEB352D)
+    _mul32_(x.bitwise_xor_(x >> 15), 0x846CA68B)
+    return x.bitwise_xor_(x >> 16)
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] standard Gumbel draws; the torch twin of the Triton kernel's noise."""
-    ids = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :]
-    h = _mix32(_mix32(ids ^ keys[:, :1]) ^ keys[:, 1:])
-    u = ((h >> 8).float() + 0.5) * 2.0**-24
-    return -torch.log(-torch.log(u))
+    """[B, vocab] standard Gumbel draws; the torch twin of the Triton kernel's noise. In place
+    throughout: on CPU the hash, not the model, bounds a sampled step of a small model."""
+    h = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :] ^ keys[:, :1]
+    _mix32_(_mix32_(h).bitwise_xor_(keys[:, 1:]))
+    return (h >> 8).float().add_(0.5).mul_(2.0**-24).log_().neg_().log_().neg_()
 
 
 def _torch_gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    hot = temperatures > 0
-    noisy = scores * (1.0 / torch.where(hot, temperatures, 1.0))[:, None] + gumbel_noise(keys, scores.shape[1])
-    return torch.where(hot[:, None], noisy, scores).argmax(dim=-1)
+    tokens = scores.argmax(dim=-1)
+    hot = torch.nonzero(temperatures > 0).flatten()  # noise only where it is used: the hash is the costly part
+    if len(hot):
+        noisy = scores[hot] * (1.0 / temperatures[hot])[:, None] + gumbel_noise(keys[hot], scores.shape[1])
+        tokens[hot] = noisy.argmax(dim=-1)
+    return tokens
 
 
 def _gumbel_argmax_kernel():
