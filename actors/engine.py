@@ -4,6 +4,9 @@ It keeps the device one step ahead: a plan that arrives while the previous step 
 queued behind it at once, and a step's results are sent as soon as the device has them. While
 steps are in flight it stamps when it last made progress (PROGRESS_GAUGE); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
+
+A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
+launch, or the end of the step before it, whichever is later) to when its results are read.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from actors.kinds import Kind
 from actors.pipeline import POOL_GAUGE
 from actors.topology import PROGRESS_GAUGE
 from runtime.engine import Engine, PendingStep
+from runtime.metrics import metrics
 from runtime.scheduler import MAX_IN_FLIGHT
 from runtime.step import plan_from_wire, results_to_wire
 from transport.codec import unpack
@@ -38,7 +42,9 @@ class EngineActor(Actor):
         started = time.monotonic()
         self.engine = Engine(Path(serve.model_dir), config)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
-        self.in_flight: deque[tuple[int, PendingStep]] = deque()
+        self.in_flight: deque[tuple[int, PendingStep, float]] = deque()
+        self.last_done = 0.0
+        self.m_step_duration = metrics().step_duration
         self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
 
     def on_epoch(self, epoch: int) -> None:
@@ -57,13 +63,16 @@ class EngineActor(Actor):
                 plan = plan_from_wire(*unpack(got[1]))
                 if not self.in_flight:
                     self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
-                self.in_flight.append((plan.step, self.engine.launch(plan)))
+                self.in_flight.append((plan.step, self.engine.launch(plan), time.monotonic()))
                 if len(self.in_flight) < MAX_IN_FLIGHT:
                     continue
             elif not self.in_flight[0][1].ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
                 continue
-            step, pending = self.in_flight.popleft()
+            step, pending, launched = self.in_flight.popleft()
             meta, arrays = results_to_wire(step, pending.result())
-            self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic() if self.in_flight else 0.0
+            now = time.monotonic()
+            self.m_step_duration.observe(now - max(launched, self.last_done))
+            self.last_done = now
+            self.slot["gauges"][PROGRESS_GAUGE] = now if self.in_flight else 0.0
             await self.send("scheduler", Kind.SAMPLED, step, meta, arrays)

@@ -1,24 +1,55 @@
 """The scheduler actor: runtime.Scheduler over rings, with up to two steps in flight.
 
 It plans step i+1 while the engine runs step i (the engine feeds decodes their own last sampled
-token), then turns each step's results into one TOKENS frame for the detokenizer.
+token), then turns each step's results into one TOKENS frame for the detokenizer. It logs each
+request's queued, scheduled, prefill_done and finished events, keeps the batch's metrics, and
+every STATS_INTERVAL_S logs one stats line (at debug level while idle).
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
+
+import structlog
 
 from actors.base import Actor
 from actors.kinds import Kind
 from actors.pipeline import POOL_GAUGE
 from runtime.config import ModelConfig
+from runtime.metrics import metrics
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
-from runtime.step import plan_to_wire, results_from_wire
+from runtime.step import StepPlan, plan_to_wire, results_from_wire
 from transport.codec import unpack
 from transport.ring import Frame
+
+log = structlog.get_logger()
+STATS_INTERVAL_S = 10.0
+
+
+@dataclass
+class Timeline:
+    """A request's moments in this scheduler, for its log lines and the queue-time metric."""
+
+    trace: str
+    queued: float
+    scheduled: float | None = None
+    prefilled: float | None = None
+
+
+@dataclass
+class Window:
+    """Counts since the last stats line."""
+
+    started: float
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 class SchedulerActor(Actor):
@@ -31,14 +62,28 @@ class SchedulerActor(Actor):
         while not engine["gauges"][POOL_GAUGE]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
         self.num_pages = int(engine["gauges"][POOL_GAUGE])
+        m, model = metrics(), serve.served_model_name
+        self.m_queue_time, self.m_batch = m.queue_time.labels(model), m.batch_size
+        self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(model), m.generation_tokens.labels(model)
+        self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(model), m.prefix_hits.labels(model)
+        self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(model) for g in (m.running, m.waiting, m.kv_usage))
+        self.window = Window(time.monotonic())
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
         self.announce: dict[int, dict] = {}  # what the detokenizer needs with a request's first tokens
+        self.timelines: dict[int, Timeline] = {}
         self.in_flight: deque[int] = deque()
 
     async def run(self) -> None:
+        reporter = asyncio.create_task(self._report_stats(), name="stats")
+        try:
+            await self._serve()
+        finally:
+            reporter.cancel()
+
+    async def _serve(self) -> None:
         while True:
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
@@ -47,6 +92,7 @@ class SchedulerActor(Actor):
             if ended := self.core.take_ended():
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
+                self._on_planned(plan)
                 meta, arrays = plan_to_wire(plan)
                 await self.send("engine", Kind.STEP, plan.step, meta, arrays, epoch=epoch)
                 if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
@@ -61,14 +107,18 @@ class SchedulerActor(Actor):
             params = SamplingParams(**meta["params"])
             generated = arrays[1].tolist()
             try:
-                self.core.add(frame.rid, arrays[0].tolist(), params, generated)
+                request = self.core.add(frame.rid, arrays[0].tolist(), params, generated)
             except ValueError as exc:
                 await self.send("detokenizer", Kind.ERROR, frame.rid, {"message": str(exc), "status": 400})
                 return
             self.announce[frame.rid] = {**meta["detok"], "generated": generated}
+            self.timelines[frame.rid] = Timeline(meta["trace"], time.monotonic())
+            log.info("queued", rid=meta["trace"], prompt_tokens=len(request.prompt_ids), generated=len(generated),
+                     waiting=len(self.core.waiting))
         elif frame.kind == Kind.PING:
             await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
         elif frame.kind == Kind.ABORT:
+            self.timelines.pop(frame.rid, None)
             if (request := self.core.abort(frame.rid)) is not None:
                 await self._emit([request])
         elif frame.kind == Kind.ERROR:
@@ -89,6 +139,9 @@ class SchedulerActor(Actor):
             if request.rid in self.announce:  # first tokens: what the detokenizer must know
                 item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
                             cached_tokens=request.cached_tokens)
+                self._on_prefilled(request)
+            if request.finish_reason is not None:
+                self._on_finished(request)
             if request.finish_reason == "abort" or not with_token:
                 item["n"] = 0
             else:
@@ -97,9 +150,64 @@ class SchedulerActor(Actor):
                 if request.params.logprobs is not None:
                     item["logprobs"] = list(request.logprobs[-1].items())
             items.append(item)
+        if tokens:
+            self.m_generation_tokens.inc(len(tokens))
+            self.window.generation_tokens += len(tokens)
         await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens], epoch=epoch)
+
+    # -- observability --------------------------------------------------------------------------
+
+    def _on_planned(self, plan: StepPlan) -> None:
+        self.m_batch.observe(len(plan.chunks) + len(plan.decodes))
+        now = time.monotonic()
+        for request in self.core.admitted:
+            if (timeline := self.timelines.get(request.rid)) is None:
+                continue
+            queue_s = now - timeline.queued
+            if timeline.scheduled is None:  # a preempted request's later admissions are not queueing
+                self.m_queue_time.observe(queue_s)
+            timeline.scheduled = now
+            looked_up, hits = len(request.tokens), request.matched
+            self.m_prefix_queries.inc(looked_up)
+            self.m_prefix_hits.inc(hits)
+            self.window.prefix_queries += looked_up
+            self.window.prefix_hits += hits
+            log.info("scheduled", rid=timeline.trace, queue_s=round(queue_s, 6), cached_tokens=hits,
+                     running=len(self.core.running))
+
+    def _on_prefilled(self, request: Request) -> None:
+        self.m_prompt_tokens.inc(len(request.prompt_ids))
+        self.window.prompt_tokens += len(request.prompt_ids)
+        if (timeline := self.timelines.get(request.rid)) is not None and timeline.scheduled is not None:
+            timeline.prefilled = time.monotonic()
+            log.info("prefill_done", rid=timeline.trace, prefill_s=round(timeline.prefilled - timeline.scheduled, 6))
+
+    def _on_finished(self, request: Request) -> None:
+        if (timeline := self.timelines.pop(request.rid, None)) is None or request.finish_reason == "abort":
+            return
+        decode_s = time.monotonic() - (timeline.prefilled or timeline.queued)
+        log.info("finished", rid=timeline.trace, finish_reason=request.finish_reason, output_tokens=len(request.output_ids),
+                 decode_s=round(decode_s, 6))
+
+    async def _report_stats(self) -> None:
+        """vLLM's periodic line: throughput, batch, KV use and prefix hits since the last one."""
+        while True:
+            await asyncio.sleep(STATS_INTERVAL_S)
+            now, w, core = time.monotonic(), self.window, self.core
+            self.window = Window(now)
+            elapsed = now - w.started
+            idle = not (w.prompt_tokens or w.generation_tokens or core.running or core.waiting)
+            (log.debug if idle else log.info)(
+                "stats", prompt_tok_s=round(w.prompt_tokens / elapsed, 1), gen_tok_s=round(w.generation_tokens / elapsed, 1),
+                running=len(core.running), waiting=len(core.waiting),
+                kv_usage=round(core.used_pages() / core.allocator.num_pages, 4),
+                prefix_hit_rate=round(w.prefix_hits / w.prefix_queries, 4) if w.prefix_queries else None)
 
     def _publish_gauges(self) -> None:
         core = self.core
-        self.slot["gauges"][:5] = (core.used_pages(), core.allocator.num_pages, len(core.running), len(core.waiting),
+        used = core.used_pages()
+        self.slot["gauges"][:5] = (used, core.allocator.num_pages, len(core.running), len(core.waiting),
                                    core.cache.cached_pages if core.cache else 0)
+        self.m_running.set(len(core.running))
+        self.m_waiting.set(len(core.waiting))
+        self.m_kv_usage.set(used / core.allocator.num_pages)

@@ -23,8 +23,9 @@ from actors.base import ActorContext, actor_main
 from actors.control import ActorState, ControlBlock, pid_alive
 from actors.topology import PROGRESS_GAUGE, Topology
 from runtime.logs import configure_logging
+from runtime.metrics import metrics, prepare_dir
 from transport.ring import Ring
-from transport.segment import list_segments, remove_segments
+from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_segment
 from transport.wakeup import Doorbell
 
 log = structlog.get_logger()
@@ -99,8 +100,14 @@ class Supervisor:
         log.info("drained", unfinished=len(busy))
         return True
 
+    @property
+    def metrics_dir(self) -> str:
+        """Where every process of this server writes its Prometheus samples (see runtime.metrics)."""
+        return f"{self.topology.prefix}metrics"
+
     def start(self) -> None:
         self._sweep_stale()
+        prepare_dir(SHM_DIR / self.metrics_dir)  # before any child is spawned: they inherit its name
         self.control = ControlBlock.create(self.topology)
         for edge in self.topology.edges:
             self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)
@@ -148,6 +155,7 @@ class Supervisor:
             if self._stopping or self._drained():
                 break
             self._kill_hung()
+            self._sample_rings()
             now = time.monotonic()
             for index, due in list(self._restart_at.items()):
                 if due <= now:
@@ -176,6 +184,7 @@ class Supervisor:
         for bell in self._doorbells:
             bell.close()
         self.control.close()
+        unlink_segment(self.metrics_dir)
         if leftovers := list_segments(self.topology.prefix):
             remove_segments(self.topology.prefix)
             log.warning("removed_leftover_segments", segments=leftovers)
@@ -233,10 +242,16 @@ class Supervisor:
                 log.warning("actor_hung", child=self._name(index), pid=proc.pid, silent_s=round(age, 3))
                 proc.kill()  # its sentinel fires on the next wait and restarts it
 
+    def _sample_rings(self) -> None:
+        gauge = metrics().ring_occupancy
+        for (src, dst), ring in self._rings.items():
+            gauge.labels(f"{src}->{dst}").set(ring.occupancy())
+
     def _new_epoch(self, index: int, **why) -> None:
         """Bump the epoch and tell every live peer, so in-flight frames of the old one are dropped."""
         self.control.epoch = self.control.epoch + 1
         self.control.slots[index]["restarts"] += 1
+        metrics().restarts.labels(self._name(index)).inc()
         for peer in self._procs:
             self._doorbells[peer].ring()
         log.warning("actor_restarting", child=self._name(index), epoch=self.control.epoch, **why)

@@ -6,13 +6,18 @@ replayed request is encoded again (encoding is deterministic) and keeps the toke
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
+
+import structlog
 
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
+
+log = structlog.get_logger()
 
 
 class TokenizerActor(Actor):
@@ -42,6 +47,7 @@ class TokenizerActor(Actor):
                 await self._tokenize(list(submissions.values()))
 
     async def _tokenize(self, submissions: list) -> None:
+        started = time.monotonic()
         texts, todo = [], []
         for rid, epoch, meta, ids, generated in submissions:
             if ids is None:
@@ -52,8 +58,10 @@ class TokenizerActor(Actor):
                     continue
             todo.append((rid, epoch, meta, ids, generated))
         encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+        took = round(time.monotonic() - started, 6)
         for rid, epoch, meta, ids, generated in todo:
             ids = ids if ids is not None else next(encoded)
+            log.info("tokenized", rid=meta["trace"], prompt_tokens=len(ids), batch=len(todo), tokenize_s=took)
             limit = self.max_position
             if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
                 meta["params"]["max_tokens"] = max(1, limit - len(ids))

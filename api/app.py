@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -13,11 +15,14 @@ from aiohttp import web
 from aiohttp.web_protocol import RequestPayloadError
 
 from api.protocol import ApiError, Completion, choice, envelope, logprobs_block, parse, usage
+from runtime.metrics import exposition, metrics
 
 log = structlog.get_logger()
 VERSION = "0.1.0"
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
+MAX_REQUEST_ID = 256  # characters of a client's X-Request-Id that are kept
+REMEMBERED_IDS = 1 << 16  # client request ids a worker remembers, to keep each one's trace its own
 
 
 class Gateway(Protocol):
@@ -92,6 +97,7 @@ class Inbox(asyncio.Queue):
 @dataclass
 class ChoiceState:
     index: int
+    trace: str  # the id its log lines carry: the request's, with "/index" when it has several choices
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
@@ -99,11 +105,55 @@ class ChoiceState:
     usage: dict | None = None
     started: bool = False
     token_chars: int = 0  # length of the token texts so far: where the next logprob's text_offset starts
+    first_token_s: float | None = None
+    last_token_at: float = 0.0
+
+
+@dataclass
+class RequestClock:
+    """When a request arrived, for its latency metrics and log lines."""
+
+    rid: str
+    model: str
+    arrived: float = field(default_factory=time.monotonic)
+
+    def on_delta(self, state: ChoiceState, delta: dict) -> None:
+        now, m = time.monotonic(), metrics()
+        if delta["token_ids"]:
+            if state.first_token_s is None:
+                state.first_token_s = now - self.arrived
+                m.ttft.labels(self.model).observe(state.first_token_s)
+                log.info("first_token", rid=state.trace, ttft_s=round(state.first_token_s, 6))
+            else:
+                m.itl.labels(self.model).observe(now - state.last_token_at)
+            state.last_token_at = now
+        if state.finish is not None:
+            e2e = now - self.arrived
+            m.e2e.labels(self.model).observe(e2e)
+            m.success.labels(self.model, state.finish).inc()
+            log.info("finished", rid=state.trace, finish_reason=state.finish, e2e_s=round(e2e, 6),
+                     ttft_s=state.first_token_s and round(state.first_token_s, 6), **(state.usage or {}))
 
 
 class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self._seen_ids: OrderedDict[str, None] = OrderedDict()  # the newest REMEMBERED_IDS client ids
+        self._suffixes = itertools.count(1)
+
+    def _request_id(self, request: web.Request, c: Completion) -> str:
+        """The client's X-Request-Id, with a suffix when this worker has seen it recently (a
+        reused id would merge two requests' traces); else the id of the response body. The
+        response echoes it, and the body's id carries it too, as in vLLM."""
+        wanted = request.headers.get("X-Request-Id", "").strip()[:MAX_REQUEST_ID]
+        if not wanted:
+            return envelope(c, chunk=False)["id"]
+        rid = wanted if wanted not in self._seen_ids else f"{wanted}-{next(self._suffixes)}"
+        self._seen_ids[rid] = None
+        if len(self._seen_ids) > REMEMBERED_IDS:
+            self._seen_ids.popitem(last=False)
+        c.id = rid
+        return rid
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=True)
@@ -112,16 +162,20 @@ class Handlers:
         return await self._complete(request, chat=False)
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        arrived = time.monotonic()
         try:
             body = orjson.loads(await request.read())
         except orjson.JSONDecodeError as exc:
             raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
         c = parse(body, chat, self.gateway.served_model)
+        rid = self._request_id(request, c)
         try:
             self.gateway.check_capacity(len(c.prompts) * c.n)
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
-            return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S)})
+            return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S), "X-Request-Id": rid})
+        clock = RequestClock(rid, self.gateway.served_model, arrived)
+        log.info("received", rid=rid, path=request.path, stream=c.stream, prompts=len(c.prompts), n=c.n)
         inbox = Inbox(self.gateway.request_timeout)
         choices: dict[int, ChoiceState] = {}
         try:
@@ -130,22 +184,27 @@ class Handlers:
                     seed = c.params["seed"]
                     params = {**c.params, "seed": None if seed is None else (seed + j) % 2**63}
                     detok = {"stop": c.stop, "skip_special_tokens": c.skip_special_tokens, "top_logprobs": c.logprobs or 0}
-                    meta = {"params": params, "detok": detok,
+                    index = p * c.n + j
+                    trace = rid if len(c.prompts) * c.n == 1 else f"{rid}/{index}"
+                    meta = {"params": params, "detok": detok, "trace": trace,
                             "messages": prompt.get("messages"), "prompt": prompt.get("prompt")}
-                    rid = await self.gateway.submit(meta, prompt.get("ids"), inbox)
-                    choices[rid] = ChoiceState(index=p * c.n + j)
+                    choices[await self.gateway.submit(meta, prompt.get("ids"), inbox)] = ChoiceState(index, trace)
             if c.stream:
-                return await self._stream(request, c, inbox, choices)
+                return await self._stream(request, c, inbox, choices, clock)
             while any(s.finish is None for s in choices.values()):
-                self._absorb(await inbox.get(), choices)
-            return _json(self._whole(c, choices))
+                self._absorb(await inbox.get(), choices, clock)
+            return _json(self._whole(c, choices), headers={"X-Request-Id": rid})
+        except ApiError as exc:
+            log.info("failed", rid=rid, status=exc.status, error=exc.message)
+            raise
         finally:
-            for rid, state in choices.items():
+            for choice_rid, state in choices.items():
                 if state.finish is None:  # the client left, or a sibling failed
-                    await self.gateway.abort(rid)
+                    log.info("aborted", rid=state.trace)
+                    await self.gateway.abort(choice_rid)
 
     @staticmethod
-    def _absorb(delta: dict, choices: dict[int, ChoiceState]) -> ChoiceState:
+    def _absorb(delta: dict, choices: dict[int, ChoiceState], clock: RequestClock) -> ChoiceState:
         _raise_if_refused(delta)
         state = choices[delta["rid"]]
         state.text.append(delta["text"])
@@ -154,6 +213,7 @@ class Handlers:
         state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))
         if delta["finish"] is not None:
             state.finish, state.usage = delta["finish"], delta["usage"]
+        clock.on_delta(state, delta)
         return state
 
     def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
@@ -169,16 +229,18 @@ class Handlers:
             out.append(choice(c, s.index, "".join(s.text), s.finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False))
         return {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
 
-    async def _stream(self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState]) -> web.StreamResponse:
+    async def _stream(self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState],
+                      clock: RequestClock) -> web.StreamResponse:
         first = await inbox.get()  # a refusal before any token is still a plain HTTP error
         _raise_if_refused(first)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+                                               "X-Request-Id": clock.rid})
         await response.prepare(request)
         delta: dict | None = first
         try:
             while delta is not None:
                 offset = choices[delta["rid"]].token_chars  # where this delta's logprob offsets start
-                state = self._absorb(delta, choices)
+                state = self._absorb(delta, choices, clock)
                 chunk = envelope(c, chunk=True)
                 logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
@@ -189,6 +251,7 @@ class Handlers:
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 delta = await inbox.get() if any(s.finish is None for s in choices.values()) else None
         except ApiError as exc:  # after the stream began: an error event, then the end
+            log.info("failed", rid=clock.rid, status=exc.status, error=exc.message)
             await response.write(b"data: " + orjson.dumps(exc.body()) + b"\n\n")
             return response
         except ConnectionResetError:  # the client left; the caller's finally aborts what is unfinished
@@ -201,7 +264,7 @@ class Handlers:
 
     async def models(self, request: web.Request) -> web.Response:
         model = {"id": self.gateway.served_model, "object": "model", "created": int(time.time()), "owned_by": "ringllm",
-                 "max_model_len": self.gateway.max_model_len}
+                 "root": self.gateway.served_model, "max_model_len": self.gateway.max_model_len}
         return _json({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -217,6 +280,10 @@ class Handlers:
     async def server_info(self, request: web.Request) -> web.Response:
         return _json(self.gateway.server_info())
 
+    async def metrics(self, request: web.Request) -> web.Response:
+        body, content_type = exposition()
+        return web.Response(body=body, headers={"Content-Type": content_type})
+
 
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
@@ -229,5 +296,6 @@ def build_app(gateway: Gateway) -> web.Application:
         web.get("/health/live", h.live),
         web.get("/version", h.version),
         web.get("/server_info", h.server_info),
+        web.get("/metrics", h.metrics),
     ])
     return app

@@ -20,9 +20,6 @@ import argparse
 import asyncio
 import datetime
 import importlib
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +27,7 @@ from pathlib import Path
 import numpy as np
 import orjson
 
-from benchmarks.server import free_port, start_server, wait_healthy
+from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -123,12 +120,7 @@ def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: li
     try:
         return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, args.single))
     finally:
-        os.killpg(server.pid, signal.SIGINT)
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
-            server.wait()
+        stop_server(server)
 
 
 def main(argv: list[str] | None = None) -> None:

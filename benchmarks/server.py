@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import os
 import signal
 import socket
 import subprocess
@@ -26,6 +27,16 @@ def start_server(args: list[str], **popen) -> subprocess.Popen:
     """`ringllm serve ARGS` in its own session (a terminal's Ctrl-C is the benchmark's to handle)."""
     return subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", *args], start_new_session=True,
                             preexec_fn=_stop_with_parent, **popen)
+
+
+def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:
+    """SIGINT (a clean stop that removes its segments), then SIGKILL if it does not go in time."""
+    os.killpg(server.pid, signal.SIGINT)
+    try:
+        server.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait()
 
 
 def free_port() -> int:

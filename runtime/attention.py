@@ -39,9 +39,15 @@ class AttentionMeta:
 class ForwardBatch:
     input_ids: Tensor  # [T]
     positions: Tensor  # [T]
-    out_pages: Tensor  # [T]: where each new token's K and V go
-    out_offsets: Tensor  # [T]
+    kv_rows: Tensor  # [T, 2]: where each new token's K and V go (see kv_rows)
     meta: AttentionMeta
+
+
+def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarray:
+    """[T, 2]: the K and V rows of tokens at (page, offset) in a pool layer viewed as
+    [page·2·slot, heads·dim]. One index into that flat view makes the write one scatter of rows."""
+    k = pages * (2 * page_size) + offsets
+    return np.stack([k, k + page_size], axis=1)
 
 
 class KVPool:
@@ -64,7 +70,7 @@ class KVPool:
 
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens."""
-        self.kv[layer][batch.out_pages, :, batch.out_offsets] = kv
+        self.kv[layer].view(-1, self.num_kv_heads * self.head_dim)[batch.kv_rows] = kv.flatten(2)
 
 
 class AttentionBackend(Protocol):

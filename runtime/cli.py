@@ -1,14 +1,17 @@
-"""The `ringllm` command line: serve, status, chat and bench."""
+"""The `ringllm` command line: serve, status, chat, trace and bench."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 import orjson
 
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
+from runtime import trace
+from runtime.logs import LOG_FORMATS
 
 
 def status(port: int, as_json: bool) -> int:
@@ -43,6 +46,7 @@ def serve(args: argparse.Namespace) -> int:
     from runtime.logs import configure_logging
     from runtime.model_source import NAME, resolve_model_dir
 
+    os.environ["RINGLLM_LOG_FORMAT"] = args.log_format  # every actor inherits it
     configure_logging("supervisor")
     model_dir = resolve_model_dir(args.model)
     engine = EngineConfig(
@@ -132,27 +136,34 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
     s.add_argument("--watchdog-timeout", type=float, default=60.0, help="seconds an engine step may make no progress")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may take")
+    s.add_argument("--log-format", choices=LOG_FORMATS, default="json",
+                   help="json: one object per line (what `ringllm trace` reads); console: aligned text")
 
     st = commands.add_parser("status", help="list the actors of a running server")
     st.add_argument("--port", type=int, default=8000)
     st.add_argument("--json", action="store_true", help=f"a JSON list of objects with keys {', '.join(STATUS_KEYS)}")
 
+    trace.add_arguments(commands.add_parser("trace", help="one request's timeline across actors, from a server's JSON logs"))
+
     c = commands.add_parser("chat", help="chat with a running server in the terminal")
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
 
-    b = commands.add_parser("bench", help="benchmarks: offline throughput (see `ringllm bench offline --help`)")
-    b.add_argument("workload", choices=["offline"])
+    b = commands.add_parser("bench", help="benchmarks: offline throughput, or a load test of a running server "
+                                          "(see `ringllm bench offline --help`, `ringllm bench serve --help`)")
+    b.add_argument("workload", choices=["offline", "serve"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 
     args = parser.parse_args(argv)
     if args.command == "bench":
-        from benchmarks.offline import main as offline
+        import importlib
 
-        offline(args.options)
+        importlib.import_module(f"benchmarks.{args.workload}").main(args.options)
         return 0
     if args.command == "serve":
         return serve(args)
+    if args.command == "trace":
+        return trace.run(args)
     if args.command == "chat":
         return asyncio.run(_chat(args.url, args.temperature))
     return status(args.port, args.json)

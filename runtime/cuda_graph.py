@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from runtime.attention import AttentionMeta, ForwardBatch
+from runtime.attention import AttentionMeta, ForwardBatch, kv_rows
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -28,14 +28,15 @@ class DecodeGraphs:
         self.sizes = capture_sizes(max_batch_size)
         self.attention, self.scratch_page = attention, scratch_page
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.rows = torch.zeros(3, max_batch_size, dtype=torch.int64, device=device)  # positions, out pages, offsets
-        self.rows[1].fill_(scratch_page)
+        self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), attention.pool.page_size)[0]  # where padding rows write
+        self.rows = torch.zeros(3, max_batch_size, dtype=torch.int64, device=device)  # positions, K rows, V rows
+        self.rows[1:].copy_(torch.from_numpy(self.scratch_rows)[:, None])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logits: dict[int, torch.Tensor] = {}
         pool = None
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
             attention.graph_wrapper(bs, bs * max_pages_per_seq)
-            batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1, :bs], self.rows[2, :bs],
+            batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T,
                                  self._padded(AttentionMeta(*(np.zeros(n, np.int32) for n in (1, 1, 0, 0))), bs))
             attention.prepare(batch.meta, bs)
             model.logits(model(batch, attention))  # warm-up: lazy initialisation stays out of the graph
@@ -59,14 +60,14 @@ class DecodeGraphs:
             np.concatenate([meta.kv_lens, np.ones(pad, np.int32)]),
         )
 
-    def replay(self, meta: AttentionMeta, positions: np.ndarray, out_pages: np.ndarray, out_offsets: np.ndarray,
-               decode_slots: torch.Tensor, last_tokens: torch.Tensor) -> torch.Tensor:
+    def replay(self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray, decode_slots: torch.Tensor,
+               last_tokens: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of a decode-only step of n sequences."""
         n = len(positions)
         bs = self.sizes[bisect.bisect_left(self.sizes, n)]
         rows = np.zeros((3, bs), dtype=np.int64)
-        rows[1, n:] = self.scratch_page
-        rows[0, :n], rows[1, :n], rows[2, :n] = positions, out_pages, out_offsets
+        rows[1:, n:] = self.scratch_rows[:, None]
+        rows[0, :n], rows[1:, :n] = positions, rows_kv.T
         self.rows[:, :bs].copy_(torch.from_numpy(rows), non_blocking=True)
         torch.index_select(last_tokens, 0, decode_slots, out=self.input_ids[:n])
         self.attention.prepare(self._padded(meta, bs), bs)

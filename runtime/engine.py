@@ -16,7 +16,7 @@ import numpy as np
 import structlog
 import torch
 
-from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool
+from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.cuda_graph import DecodeGraphs
 from runtime.loader import build_model
@@ -105,9 +105,26 @@ class Engine:
         if self.device.type == "cuda" and config.cuda_graph_max_bs and config.attention_backend == "flashinfer":
             self.graphs = DecodeGraphs(self.model, self.attention, min(config.cuda_graph_max_bs, slots),
                                        self.max_pages_per_seq, self.scratch_page, self.device)
+        self._warm_up()
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
                  cuda_graphs=self.graphs.sizes if self.graphs else None)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One prefill and one draw on the scratch page before serving. Kernels that build on
+        first use (flashinfer's JIT takes over a minute on a fresh machine, Triton compiles the
+        sampler) do it now, inside start-up's timeout, not under the first request's watchdog."""
+        n = min(8, self.config.page_size)
+        positions = np.arange(n, dtype=np.int64)
+        meta = AttentionMeta(np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32),
+                             np.array([n], np.int32))
+        rows = kv_rows(np.full(n, self.scratch_page), positions, self.config.page_size)
+        batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions),
+                             self._to_device(rows), meta)
+        self.attention.prepare(meta)
+        logits = self.model.logits(self.model(batch, self.attention)[-1:])
+        sample(logits, [SampleRow(SamplingParams(), 0, n, [], [])]).tokens.tolist()
 
     def _pool_pages(self) -> int:
         """--num-pages, else on CUDA what is left of mem_fraction of the device after the weights."""
@@ -148,7 +165,7 @@ class Engine:
         tokens = int(qo_indptr[-1])
         positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
         ps = self.config.page_size
-        out_pages, out_offsets = self.page_table[np.repeat(seq_slots, q_lens), positions // ps], positions % ps
+        kv_dest = kv_rows(self.page_table[np.repeat(seq_slots, q_lens), positions // ps], positions % ps, ps)
         seq_pages = -(-kv_lens // ps)
         kv_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
         np.cumsum(seq_pages, out=kv_indptr[1:])
@@ -166,16 +183,16 @@ class Engine:
         decodes = np.array(plan.decodes, dtype=np.int64)
 
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
-            logits = self.graphs.replay(meta, positions, out_pages, out_offsets, self._to_device(decodes), self.last_tokens)
+            logits = self.graphs.replay(meta, positions, kv_dest, self._to_device(decodes), self.last_tokens)
         else:
-            host = self._to_device(np.concatenate([positions, out_pages, out_offsets, decodes, qo_indptr[1:][sampled] - 1]))
+            host = self._to_device(np.concatenate([positions, kv_dest.T.ravel(), decodes, qo_indptr[1:][sampled] - 1]))
             input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
             n_chunk = tokens - len(decodes)
             if n_chunk:
                 input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
             if len(decodes):
                 input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
-            batch = ForwardBatch(input_ids, host[:tokens], host[tokens : 2 * tokens], host[2 * tokens : 3 * tokens], meta)
+            batch = ForwardBatch(input_ids, host[:tokens], host[tokens : 3 * tokens].view(2, tokens).T, meta)
             self.attention.prepare(meta)
             hidden = self.model(batch, self.attention)
             logits = self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None

@@ -1,8 +1,12 @@
-"""structlog set-up shared by every process: one JSON object per line on stderr.
+"""structlog set-up shared by every process: one JSON object per line on stderr, or aligned
+console lines with RINGLLM_LOG_FORMAT=console (`ringllm serve --log-format console`). The
+supervisor's environment reaches every actor, so one setting covers the whole server.
 
 Fields that describe the process (actor, pid, epoch) are process-wide, not contextvars: asyncio
 copies the context into each task, so an epoch bound in one task would not reach the others.
-Per-request fields (rid) stay in contextvars.
+Request events pass their `rid` explicitly. Timestamps are wall-clock (CLOCK_REALTIME, one clock
+for every process of the machine) with microseconds, so `ringllm trace` can order events across
+actors.
 """
 
 from __future__ import annotations
@@ -26,18 +30,22 @@ def _add_process_fields(logger, method: str, event: dict) -> dict:
     return {**_PROCESS_FIELDS, **event}
 
 
+LOG_FORMATS = ("json", "console")
+
+
 def configure_logging(actor: str, level: str | None = None) -> None:
     level = level or os.environ.get("RINGLLM_LOG_LEVEL", "INFO")
+    console = os.environ.get("RINGLLM_LOG_FORMAT", "json") == "console"
     structlog.configure(
         processors=[
             _add_process_fields,
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            structlog.processors.JSONRenderer(serializer=orjson.dumps),
+            structlog.dev.ConsoleRenderer(colors=False) if console else structlog.processors.JSONRenderer(serializer=orjson.dumps),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.BytesLoggerFactory(sys.stderr.buffer),
+        logger_factory=structlog.WriteLoggerFactory(sys.stderr) if console else structlog.BytesLoggerFactory(sys.stderr.buffer),
         cache_logger_on_first_use=True,
     )
     bind_process(actor=actor, pid=os.getpid())

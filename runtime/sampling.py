@@ -129,17 +129,20 @@ def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> t
 
 
 def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:
-    """Next token per row, and top-N log-probabilities of the model's own distribution when asked."""
-    logits = logits.float()
+    """Next token per row, and top-N log-probabilities of the model's own distribution when asked.
+    Plain draws read the logits in the model's dtype (the kernel widens them as it goes); anything
+    that rewrites or normalises them works on an fp32 copy."""
     device = logits.device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    filtered = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.filters]
+    if logprob_rows or filtered or any(row.params.penalized for row in rows) or not (logits.is_cuda and _KERNEL):
+        logits = logits.float()
     if logprob_rows:
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)
     for i, row in enumerate(rows):  # in place: the logits are this step's own
         if row.params.penalized:
             _apply_penalties(logits[i], row)
     temperatures = [0.0 if row.params.greedy else row.params.temperature for row in rows]
-    filtered = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.filters]
     if filtered:
         logits[filtered] = _filtered_log_probs(logits[filtered], [rows[i].params for i in filtered])
         for i in filtered:

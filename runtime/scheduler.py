@@ -26,6 +26,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    matched: int = 0  # tokens found in the prefix cache at its latest admission
     # soft state, dropped on preemption:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)  # the page table: shared prefix pages, then own
@@ -57,6 +58,7 @@ class Scheduler:
         self.reused_prefix_tokens = 0
         self.preemptions = 0
         self.ended: list[Request] = []  # finished while planning (they outgrew the pool); see take_ended
+        self.admitted: list[Request] = []  # the requests the last plan gave a slot
         self._step = 0
 
     # -- requests ---------------------------------------------------------------------------
@@ -92,7 +94,7 @@ class Scheduler:
         each slot its own last sampled token, so the next plan can overlap the device work."""
         self._step += 1
         plan = StepPlan(step=self._step, freed=self._freed)
-        self._freed = []
+        self._freed, self.admitted = [], []
         budget = self.config.max_prefill_tokens
         for request in list(self.running):
             if request.slot is None or (request.decoding and self._fully_planned(request)):
@@ -142,11 +144,13 @@ class Scheduler:
         if not self._reserve(needed):
             self._drop_pages(request)
             return False
+        request.matched = request.computed
         if request.computed and not request.output_ids:
             request.cached_tokens = request.computed
         self.reused_prefix_tokens += request.computed
         request.slot = self._free_slots.pop()
         request.admitted_step = self._step
+        self.admitted.append(request)
         self._by_slot[request.slot] = request
         self.running.append(request)
         plan.new_slots.append(NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed))

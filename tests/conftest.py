@@ -150,8 +150,8 @@ def start_supervisor(server: str, tmp_path: Path, monkeypatch) -> Iterator[Calla
 
 
 def pytest_sessionfinish(session, exitstatus) -> None:
-    """After the whole suite: no ringllm segment in /dev/shm and no child process may remain."""
-    leftovers = list_segments()
+    """After the whole suite: none of its ringllm segments in /dev/shm and no child process may remain."""
+    leftovers = sorted(_our_segments())
     stray = _our_children()
     if leftovers or stray:
         print(f"\nleft behind after the suite: segments {leftovers}, processes {[p.pid for p in stray]}")

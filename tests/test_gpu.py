@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool
+from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
 from tests.tiny_models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -36,7 +36,8 @@ def paged_batch(shapes: list[tuple[int, int]], generator: torch.Generator) -> Fo
         kv_indptr.append(len(indices))
     meta = AttentionMeta(*(np.array(a, dtype=np.int32) for a in (qo, kv_indptr, indices, [kv for _, kv in shapes])))
     cuda = lambda a: torch.tensor(a, device="cuda")  # noqa: E731
-    return ForwardBatch(cuda([0] * qo[-1]), cuda(positions), cuda(out_pages), cuda(out_offsets), meta)
+    rows = kv_rows(np.array(out_pages), np.array(out_offsets), PAGE)
+    return ForwardBatch(cuda([0] * qo[-1]), cuda(positions), torch.from_numpy(rows).cuda(), meta)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 8])  # decode on tensor cores, and on CUDA cores
@@ -104,14 +105,17 @@ def test_seeded_sampling_is_batch_invariant_on_cuda(tmp_path):
     assert llm.generate(prompts, params)[0].token_ids == alone
 
 
-def test_triton_draw_equals_its_torch_twin():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 64])
+def test_triton_draw_equals_its_torch_twin(rows, dtype):
+    """The kernel reads the logits in the model's dtype; the twin widens them first."""
     from runtime.sampling import _torch_gumbel_argmax, gumbel_argmax, row_keys
 
     generator = torch.Generator().manual_seed(5)
-    logits = torch.randn(64, 151_936, generator=generator).cuda() * 3
-    temperatures = torch.tensor([0.0, 0.6, 1.0, 1.7] * 16, device="cuda")
-    keys = torch.from_numpy(row_keys(list(range(64)), list(range(100, 164)))).cuda()
-    assert torch.equal(gumbel_argmax(logits, temperatures, keys), _torch_gumbel_argmax(logits, temperatures, keys))
+    logits = (torch.randn(rows, 151_936, generator=generator) * 3).to("cuda", dtype)
+    temperatures = torch.tensor([0.6, 0.0, 1.0, 1.7] * 16, device="cuda")[:rows]
+    keys = torch.from_numpy(row_keys(list(range(rows)), list(range(100, 100 + rows)))).cuda()
+    assert torch.equal(gumbel_argmax(logits, temperatures, keys), _torch_gumbel_argmax(logits.float(), temperatures, keys))
 
 
 @pytest.mark.parametrize("name", ["sgl_kernel", "flashinfer"])

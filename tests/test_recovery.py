@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 
 import aiohttp
 import orjson
@@ -147,6 +148,8 @@ def test_health_is_503_while_an_actor_is_down_and_live_stays_200(served, tmp_pat
         wait_for(lambda: server.get("/health")["status"] == "unavailable", 10, "/health to notice")
         assert server.get("/health/live")["status"] == "ok"
         wait_for(lambda: server.get("/health")["status"] == "ok", 20, "the hung scheduler to be replaced")
+        with urllib.request.urlopen(server.base_url + "/metrics", timeout=30) as reply:
+            assert 'ringllm:actor_restarts_total{actor="scheduler"} 1.0' in reply.read().decode()
     finally:
         assert server.stop() < 5
 

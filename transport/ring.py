@@ -89,6 +89,11 @@ class Ring:
         struct.pack_into("<QQ", self.segment.buf, _CAPACITY, capacity, MAGIC)
         self.handle = RingHandle(name, capacity, Doorbell(), Doorbell())
 
+    def occupancy(self) -> float:
+        """The share of its bytes written and not yet read."""
+        written, read = (struct.unpack_from("<Q", self.segment.buf, at)[0] for at in (_WRITE_POS, _READ_POS))
+        return (written - read) / self.handle.capacity
+
     def close(self) -> None:
         self.segment.close()
         self.handle.data_bell.close()

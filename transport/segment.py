@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import shutil
 from pathlib import Path
 
 SHM_DIR = Path("/dev/shm")
@@ -66,10 +67,13 @@ class Segment:
 
 
 def unlink_segment(name: str) -> None:
+    """A segment, or a folder under the prefix (the server's metrics)."""
     try:
         os.unlink(SHM_DIR / name)
     except FileNotFoundError:
         pass
+    except IsADirectoryError:
+        shutil.rmtree(SHM_DIR / name, ignore_errors=True)
 
 
 def list_segments(prefix: str = PREFIX) -> list[str]:

@@ -123,4 +123,5 @@ class DenseForCausalLM(nn.Module):
         return self.model.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """In the model's dtype: the sampler widens only what it must."""
+        return self.lm_head(hidden)
