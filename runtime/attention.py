@@ -84,31 +84,49 @@ class AttentionBackend(Protocol):
 
 
 class TorchAttention:
-    """Gathers each sequence's K and V from the pool and runs causal SDPA on it."""
+    """Gathers each sequence's K and V from the pool and runs causal SDPA on it. A decode-only
+    step gathers the whole batch at once, padded to its longest sequence and masked, and runs one
+    SDPA call per layer: on CPU the per-sequence loop's small ops cost more than the padding."""
 
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         self.pool = pool
 
     def prepare(self, meta: AttentionMeta) -> None:
-        ps = self.pool.page_size
-        self._gathers = []
+        ps, device = self.pool.page_size, self.pool.device
+        self._gathers, self._batched = [], None
+        if meta.decode_only:
+            lens = meta.kv_lens.astype(np.int64)[:, None]
+            # padding repeats each sequence's last row (written, so finite) and is masked out
+            positions = np.minimum(np.arange(int(lens.max()))[None, :], lens - 1)
+            pages = meta.kv_indices[meta.kv_indptr[:-1, None] + positions // ps].astype(np.int64)
+            k_rows = torch.from_numpy(pages * 2 * ps + positions % ps).to(device)
+            mask = torch.from_numpy(np.arange(positions.shape[1])[None, :] < lens).to(device)[:, None, None, :]
+            self._batched = (k_rows, k_rows + ps, mask)
+            return
         for i, kv_len in enumerate(meta.kv_lens.tolist()):
             pages = torch.from_numpy(meta.kv_indices[meta.kv_indptr[i] : meta.kv_indptr[i + 1]]).long()
             positions = torch.arange(kv_len)
-            self._gathers.append((pages[positions // ps].to(self.pool.device), (positions % ps).to(self.pool.device)))
+            self._gathers.append((pages[positions // ps].to(device), (positions % ps).to(device)))
 
     def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
         self.pool.write(layer, kv, batch)
         cache, meta = self.pool.kv[layer], batch.meta
+        if self._batched is not None:
+            k_rows, v_rows, mask = self._batched
+            flat = cache.view(-1, self.pool.num_kv_heads * self.pool.head_dim)
+            shape = (*k_rows.shape, self.pool.num_kv_heads, self.pool.head_dim)
+            keys, values = (flat[rows].view(shape).transpose(1, 2) for rows in (k_rows, v_rows))
+            return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
         out = torch.empty_like(q)
         for i, (pages, offsets) in enumerate(self._gathers):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
             q_len, kv_len = rows.stop - rows.start, len(pages)
             keys, values = cache[pages, 0, offsets].transpose(0, 1), cache[pages, 1, offsets].transpose(0, 1)
             mask = None
-            if q_len > 1:  # query i sits at position kv_len - q_len + i
+            if 1 < q_len < kv_len:  # after a cached prefix: query i sits at position kv_len - q_len + i
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= kv_len - q_len + torch.arange(q_len, device=q.device)[:, None]
-            attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values, attn_mask=mask, enable_gqa=True)
+            attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1), keys, values, attn_mask=mask,
+                                                      is_causal=1 < q_len == kv_len, enable_gqa=True)
             out[rows] = attended.transpose(0, 1)
         return out
 
