@@ -7,7 +7,7 @@ import itertools
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 import structlog
@@ -16,6 +16,9 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from api.protocol import ApiError, Completion, choice, envelope, logprobs_block, parse, usage
 from runtime.metrics import exposition, metrics
+
+if TYPE_CHECKING:  # prometheus_client is imported by runtime.metrics, once its storage is set
+    from prometheus_client import Counter, Histogram
 
 log = structlog.get_logger()
 VERSION = "0.1.0"
@@ -109,27 +112,43 @@ class ChoiceState:
     last_token_at: float = 0.0
 
 
+@dataclass(frozen=True)
+class LatencyMetrics:
+    """The served model's request metrics, labelled once: a delta is no time for label lookups."""
+
+    ttft: Histogram
+    itl: Histogram
+    e2e: Histogram
+    success: Counter  # by finished_reason, labelled per finish
+
+    @classmethod
+    def of(cls, model: str) -> LatencyMetrics:
+        m = metrics()
+        return cls(m.ttft.labels(model), m.itl.labels(model), m.e2e.labels(model), m.success)
+
+
 @dataclass
 class RequestClock:
     """When a request arrived, for its latency metrics and log lines."""
 
     rid: str
     model: str
-    arrived: float = field(default_factory=time.monotonic)
+    metrics: LatencyMetrics
+    arrived: float
 
     def on_delta(self, state: ChoiceState, delta: dict) -> None:
-        now, m = time.monotonic(), metrics()
+        now, m = time.monotonic(), self.metrics
         if delta["token_ids"]:
             if state.first_token_s is None:
                 state.first_token_s = now - self.arrived
-                m.ttft.labels(self.model).observe(state.first_token_s)
+                m.ttft.observe(state.first_token_s)
                 log.info("first_token", rid=state.trace, ttft_s=round(state.first_token_s, 6))
             else:
-                m.itl.labels(self.model).observe(now - state.last_token_at)
+                m.itl.observe(now - state.last_token_at)
             state.last_token_at = now
         if state.finish is not None:
             e2e = now - self.arrived
-            m.e2e.labels(self.model).observe(e2e)
+            m.e2e.observe(e2e)
             m.success.labels(self.model, state.finish).inc()
             log.info("finished", rid=state.trace, finish_reason=state.finish, e2e_s=round(e2e, 6),
                      ttft_s=state.first_token_s and round(state.first_token_s, 6), **(state.usage or {}))
@@ -138,6 +157,7 @@ class RequestClock:
 class Handlers:
     def __init__(self, gateway: Gateway) -> None:
         self.gateway = gateway
+        self.latency = LatencyMetrics.of(gateway.served_model)
         self._seen_ids: OrderedDict[str, None] = OrderedDict()  # the newest REMEMBERED_IDS client ids
         self._suffixes = itertools.count(1)
 
@@ -174,7 +194,7 @@ class Handlers:
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
             return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S), "X-Request-Id": rid})
-        clock = RequestClock(rid, self.gateway.served_model, arrived)
+        clock = RequestClock(rid, self.gateway.served_model, self.latency, arrived)
         log.info("received", rid=rid, path=request.path, stream=c.stream, prompts=len(c.prompts), n=c.n)
         inbox = Inbox(self.gateway.request_timeout)
         choices: dict[int, ChoiceState] = {}

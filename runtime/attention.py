@@ -44,10 +44,10 @@ class ForwardBatch:
 
 
 def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarray:
-    """[T, 2]: the K and V rows of tokens at (page, offset) in a pool layer viewed as
-    [page·2·slot, heads·dim]. One index into that flat view makes the write one scatter of rows."""
+    """[..., 2]: the K and V rows of tokens at (page, offset) in a pool layer viewed as
+    [page·2·slot, heads·dim] (KVPool.rows). One index into that flat view reads or writes whole rows."""
     k = pages * (2 * page_size) + offsets
-    return np.stack([k, k + page_size], axis=1)
+    return np.stack([k, k + page_size], axis=-1)
 
 
 class KVPool:
@@ -68,9 +68,13 @@ class KVPool:
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * page_size * num_kv_heads * head_dim * dtype.itemsize
 
+    def rows(self, layer: int) -> Tensor:
+        """The layer as [page·2·slot, heads·dim], the view kv_rows indexes."""
+        return self.kv[layer].view(-1, self.num_kv_heads * self.head_dim)
+
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens."""
-        self.kv[layer].view(-1, self.num_kv_heads * self.head_dim)[batch.kv_rows] = kv.flatten(2)
+        self.rows(layer)[batch.kv_rows] = kv.flatten(2)
 
 
 class AttentionBackend(Protocol):
@@ -91,37 +95,37 @@ class TorchAttention:
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         self.pool = pool
 
+    def _rows_of(self, meta: AttentionMeta, positions: np.ndarray, seqs: slice | np.ndarray) -> Tensor:
+        """K and V rows (kv_rows) of `positions` [len(seqs), L] of the sequences `seqs`."""
+        ps = self.pool.page_size
+        pages = meta.kv_indices[meta.kv_indptr[seqs][:, None] + positions // ps]
+        return torch.from_numpy(kv_rows(pages.astype(np.int64), positions % ps, ps)).to(self.pool.device)
+
     def prepare(self, meta: AttentionMeta) -> None:
-        ps, device = self.pool.page_size, self.pool.device
         self._gathers, self._batched = [], None
         if meta.decode_only:
             lens = meta.kv_lens.astype(np.int64)[:, None]
             # padding repeats each sequence's last row (written, so finite) and is masked out
             positions = np.minimum(np.arange(int(lens.max()))[None, :], lens - 1)
-            pages = meta.kv_indices[meta.kv_indptr[:-1, None] + positions // ps].astype(np.int64)
-            k_rows = torch.from_numpy(pages * 2 * ps + positions % ps).to(device)
-            mask = torch.from_numpy(np.arange(positions.shape[1])[None, :] < lens).to(device)[:, None, None, :]
-            self._batched = (k_rows, k_rows + ps, mask)
+            mask = torch.from_numpy(np.arange(positions.shape[1])[None, :] < lens).to(self.pool.device)[:, None, None, :]
+            self._batched = (self._rows_of(meta, positions, slice(0, -1)), mask)
             return
-        for i, kv_len in enumerate(meta.kv_lens.tolist()):
-            pages = torch.from_numpy(meta.kv_indices[meta.kv_indptr[i] : meta.kv_indptr[i + 1]]).long()
-            positions = torch.arange(kv_len)
-            self._gathers.append((pages[positions // ps].to(device), (positions % ps).to(device)))
+        self._gathers = [self._rows_of(meta, np.arange(kv_len)[None, :], slice(i, i + 1))[0]
+                         for i, kv_len in enumerate(meta.kv_lens.tolist())]
 
     def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
         self.pool.write(layer, kv, batch)
-        cache, meta = self.pool.kv[layer], batch.meta
+        flat, meta = self.pool.rows(layer), batch.meta
+        heads_dim = (self.pool.num_kv_heads, self.pool.head_dim)
         if self._batched is not None:
-            k_rows, v_rows, mask = self._batched
-            flat = cache.view(-1, self.pool.num_kv_heads * self.pool.head_dim)
-            shape = (*k_rows.shape, self.pool.num_kv_heads, self.pool.head_dim)
-            keys, values = (flat[rows].view(shape).transpose(1, 2) for rows in (k_rows, v_rows))
+            rows, mask = self._batched
+            keys, values = (flat[rows[..., i]].view(*rows.shape[:2], *heads_dim).transpose(1, 2) for i in (0, 1))
             return F.scaled_dot_product_attention(q[:, :, None], keys, values, attn_mask=mask, enable_gqa=True)[:, :, 0]
         out = torch.empty_like(q)
-        for i, (pages, offsets) in enumerate(self._gathers):
+        for i, seq_rows in enumerate(self._gathers):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
-            q_len, kv_len = rows.stop - rows.start, len(pages)
-            keys, values = cache[pages, 0, offsets].transpose(0, 1), cache[pages, 1, offsets].transpose(0, 1)
+            q_len, kv_len = rows.stop - rows.start, len(seq_rows)
+            keys, values = (flat[seq_rows[:, j]].view(kv_len, *heads_dim).transpose(0, 1) for j in (0, 1))
             mask = None
             if 1 < q_len < kv_len:  # after a cached prefix: query i sits at position kv_len - q_len + i
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= kv_len - q_len + torch.arange(q_len, device=q.device)[:, None]
