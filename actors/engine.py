@@ -63,9 +63,10 @@ class EngineActor(Actor):
                 plan = plan_from_wire(*unpack(got[1]))
                 if not self.in_flight:
                     self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
-                self.in_flight.append((plan.step, self.engine.launch(plan), time.monotonic()))
-                if len(self.in_flight) < MAX_IN_FLIGHT:
-                    continue
+                launched = time.monotonic()  # before: on CPU, launch does the whole step
+                self.in_flight.append((plan.step, self.engine.launch(plan), launched))
+                if len(self.in_flight) < MAX_IN_FLIGHT and not self.in_flight[0][1].ready():
+                    continue  # room for one more while the device works; on CPU, launch has done the work
             elif not self.in_flight[0][1].ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
                 continue

@@ -182,8 +182,11 @@ def _leaked_pages(info: dict) -> int:
 
 async def run(args: argparse.Namespace) -> dict:
     port = free_port()
+    # float32 unless told otherwise: a replayed stream runs in other batches than its reference, and
+    # only fp32 keeps batch-shape rounding below what flips a greedy or seeded draw
+    dtype = [] if "--dtype" in args.serve_args else ["--dtype", "float32"]
     extra = ["--api-workers", str(args.api_workers), "--hang-timeout", str(args.hang_timeout),
-             "--watchdog-timeout", str(args.hang_timeout), *args.serve_args]
+             "--watchdog-timeout", str(args.hang_timeout), *dtype, *args.serve_args]
     server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
     rng = random.Random(args.seed)
     summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "recovery_ms": {}}

@@ -125,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the prefill chunk budget of one step (default: 8192 on CUDA; 512 on CPU, where 2048 tokens take "
                         "seconds of a small model and stall every decode behind them)")
     s.add_argument("--disable-prefix-cache", action="store_true")
-    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs "
+                                                   "with AMX bf16 tiles, else float32)")
     s.add_argument("--device", default="cpu")
     s.add_argument("--attention-backend", choices=["torch", "flashinfer"], help="default: flashinfer on CUDA, else torch")
     s.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: share of device memory for weights and KV cache")

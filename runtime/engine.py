@@ -18,6 +18,7 @@ import torch
 
 from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.cpu import default_dtype
 from runtime.cuda_graph import DecodeGraphs
 from runtime.loader import build_model
 from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
@@ -32,7 +33,7 @@ DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfl
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        return torch.bfloat16 if device.type == "cuda" else default_dtype()
     if name not in DTYPES:
         raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
@@ -108,7 +109,8 @@ class Engine:
         self._warm_up()
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None)
+                 cuda_graphs=self.graphs.sizes if self.graphs else None,
+                 padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
 
     @torch.inference_mode()
     def _warm_up(self) -> None:

@@ -11,6 +11,7 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.cpu import prepack_linears
 from runtime.layers import select_fused_ops
 from runtime.models import MODELS
 from runtime.models.dense import STACKED
@@ -37,6 +38,8 @@ def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: t
     else:
         _load_safetensors(model, model_dir)
     model.make_rope_cache(device, dtype)
+    if device.type == "cpu":
+        log.info("cpu_linears", prepacked=prepack_linears(model, dtype))
     return model.eval()
 
 

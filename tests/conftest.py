@@ -222,7 +222,10 @@ class Server:
 
 
 def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Server:
+    """`ringllm serve`, in float32 unless args say otherwise: tests compare with fp32 transformers."""
     port = free_port()
+    if "--dtype" not in args:
+        args = (*args, "--dtype", "float32")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model_dir), "--served-model-name", model,

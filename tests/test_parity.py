@@ -84,7 +84,7 @@ def greedy_matches(ours: list[int], theirs: list[int], ref_logprobs: torch.Tenso
 
 def compare(model_dir: Path, page_size: int) -> int:
     """Run ringllm on the whole batch and check it against transformers; returns near-ties."""
-    llm = LLM(model_dir, page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, num_pages=8192 // page_size)
+    llm = LLM(model_dir, dtype="float32", page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, num_pages=8192 // page_size)
     prompts = [list(p) for p in prompts_for(model_dir)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
     near_ties = 0
