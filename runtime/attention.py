@@ -50,6 +50,12 @@ def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarra
     return np.stack([k, k + page_size], axis=-1)
 
 
+try:  # the Triton KV write, where triton imports (it ships with CUDA builds of torch)
+    from runtime.kv_write_kernel import write_rows as _triton_write_rows
+except ImportError:
+    _triton_write_rows = None
+
+
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -70,7 +76,10 @@ class KVPool:
 
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens."""
-        self.rows(layer)[batch.kv_rows] = kv.flatten(2)
+        if self.device.type == "cuda" and _triton_write_rows is not None:
+            _triton_write_rows(self.rows(layer), kv, batch.kv_rows)
+        else:
+            self.rows(layer)[batch.kv_rows] = kv.flatten(2)
 
 
 class AttentionBackend(Protocol):

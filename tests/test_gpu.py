@@ -164,3 +164,20 @@ def test_fused_ops_match_torch(name):
         ops.qk_norm_rope(qkv, 16, 8, 128, 1e-6, qw, kw, 1e6, positions.int())
         close(q, expected_q, "qk_norm_rope q")
         close(k, expected_k, "qk_norm_rope k")
+
+
+@pytest.mark.parametrize("tokens", [1, 37, 8064])
+def test_triton_kv_write_equals_index_put(tokens):
+    """K and V rows of a strided qkv view, to rows given as a transposed [T, 2] view (the engine's layout)."""
+    from runtime.kv_write_kernel import write_rows
+
+    generator = torch.Generator().manual_seed(6)
+    qkv = torch.randn(tokens, (16 + 2 * 8) * 128, generator=generator).to("cuda", torch.bfloat16)
+    kv = qkv[:, 16 * 128 :].view(tokens, 2, 8, 128)
+    pool_rows = 2 * tokens + 64
+    rows = torch.randperm(pool_rows, generator=generator)[: 2 * tokens].view(2, tokens).T.cuda()
+    expected = torch.zeros(pool_rows, 8 * 128, dtype=torch.bfloat16, device="cuda")
+    expected[rows] = kv.flatten(2)
+    got = torch.zeros_like(expected)
+    write_rows(got, kv, rows)
+    assert torch.equal(got, expected)

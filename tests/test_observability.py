@@ -116,6 +116,15 @@ def test_metrics_agree_with_the_load_harness(smol_server):
     assert {"prompt_tok_s", "running", "waiting", "kv_usage", "prefix_hit_rate"} <= set(stats)
 
 
+def test_json_log_lines_take_fields_with_integer_keys():
+    """engine_ready logs padded_to as {rows: graph rows}: orjson refuses int keys unless told."""
+    code = "from runtime.logs import configure_logging; import structlog; configure_logging('probe'); " \
+           "structlog.get_logger().info('hello', padded_to={1: 8})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    assert out.returncode == 0 and orjson.loads(out.stderr.strip().splitlines()[-1])["padded_to"] == {"1": 8}, out.stderr
+
+
 def test_console_log_format():
     code = "from runtime.logs import configure_logging; import structlog; configure_logging('probe'); " \
            "structlog.get_logger().info('hello', rid='r1')"
