@@ -3,18 +3,21 @@
 Workload, the same on both sides: streamed chat requests, 4 in flight at once (a closed loop: the
 next starts when one ends). For each prompt size, a user message of about 16, 128 or 512 tokens
 of seeded random common words in the model's chat template (its default system prompt included),
-8 requests, each generating exactly 64 greedy tokens (ignore_eos on ringllm, min_new_tokens on
-HF). Every repeat and the warm-up draw fresh words, so ringllm's prefix cache shares the template
-only, never a prompt from an earlier round. Tokens are counted, not estimated: the token ids
-ringllm streams, and the length of what HF's generate returns; a request that did not produce
-exactly 64 fails the run. Throughput is generated tokens over the wall time of a size's requests;
-a side's figure is all its tokens over the sum of those times, the median of 3 repeats.
+8 requests, each generating exactly 128 greedy tokens (ignore_eos on ringllm, min_new_tokens on
+HF; 128 is a short chat answer, and the per-turn output of the concurrent suite behind
+mini-sglang's 2.10x). Every repeat and the warm-up draw fresh words, so ringllm's prefix cache
+shares the template only, never a prompt from an earlier round. Tokens are counted, not
+estimated: the token ids ringllm streams, and the length of what HF's generate returns; a request
+that did not produce exactly max_tokens fails the run. Throughput is generated tokens over the
+wall time of a size's requests; a side's figure is all its tokens over the sum of those times,
+the median of 3 repeats. Each repeat runs ringllm's round, then HF's on the same prompts.
 
 ringllm: a real `ringllm serve` with its default flags, fed over HTTP by aiohttp. Chat, not
 completions: it is what the README's users send, and it makes the server do the templating,
-tokenizing and detokenizing that the HF side does too. The server is stopped before HF loads.
-HF: AutoModelForCausalLM + model.generate(streamer=TextIteratorStreamer), one generate thread
-per request and a thread consuming its stream, torch's default thread count (what a user runs).
+tokenizing and detokenizing that the HF side does too. It idles, its actors asleep, during HF's
+rounds. HF: AutoModelForCausalLM + model.generate(streamer=TextIteratorStreamer), one generate
+thread per request and a thread consuming its stream, torch's default thread count (what a user
+runs). Both use `--dtype` (auto: bfloat16 on CPUs with AMX bf16 tiles, else float32).
 
     python -m benchmarks.vs_hf [--quick] [--model DIR] [--device cpu] [--dtype auto] [--out FILE]
 """
@@ -68,29 +71,39 @@ def prompts(tokenizer: Tokenizer, count: int, seed: int) -> dict[str, list[Messa
     return out
 
 
-async def measure(one: OneRequest, tokenizer: Tokenizer, args: argparse.Namespace) -> dict:
-    """A warm-up, then `repeats` rounds of every size at CONCURRENCY; per-size and overall tok/s."""
+async def size_round(one: OneRequest, batch: list[Messages], max_tokens: int) -> tuple[float, int, float]:
+    """`batch` at CONCURRENCY (a closed loop); -> (mean prompt tokens, tokens generated, seconds)."""
     gate = asyncio.Semaphore(CONCURRENCY)
 
-    async def size_round(batch: list[Messages], max_tokens: int) -> tuple[float, int, float]:
-        async def gated(messages: Messages) -> tuple[int, int]:
-            async with gate:
-                return await one(messages, max_tokens)
+    async def gated(messages: Messages) -> tuple[int, int]:
+        async with gate:
+            return await one(messages, max_tokens)
 
-        started = time.perf_counter()
-        counts = await asyncio.gather(*(gated(m) for m in batch))
-        seconds = time.perf_counter() - started
-        if wrong := [n for _, n in counts if n != max_tokens]:
-            raise RuntimeError(f"asked {max_tokens} tokens per request, got {wrong}")
-        return statistics.mean(p for p, _ in counts), sum(n for _, n in counts), seconds
+    started = time.perf_counter()
+    counts = await asyncio.gather(*(gated(m) for m in batch))
+    seconds = time.perf_counter() - started
+    if wrong := [n for _, n in counts if n != max_tokens]:
+        raise RuntimeError(f"asked {max_tokens} tokens per request, got {wrong}")
+    return statistics.mean(p for p, _ in counts), sum(n for _, n in counts), seconds
 
-    for batch in prompts(tokenizer, CONCURRENCY, seed=-1).values():
-        await size_round(batch, WARMUP_TOKENS)
-    rounds = []
+
+async def measure(sides: dict[str, OneRequest], tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, dict]:
+    """A warm-up of each side, then `repeats` rounds in which every side runs every size on the
+    same fresh prompts, one side after the other: a drift in the machine's speed (seen here at
+    +-30% over minutes) then weighs on both sides alike. Per side: per-size and overall tok/s."""
+    for one in sides.values():
+        for batch in prompts(tokenizer, CONCURRENCY, seed=-1).values():
+            await size_round(one, batch, WARMUP_TOKENS)
+    rounds: dict[str, list[dict]] = {name: [] for name in sides}
     for repeat in range(args.repeats):
         workload = prompts(tokenizer, args.requests, seed=repeat)
-        rounds.append({size: await size_round(batch, args.max_tokens) for size, batch in workload.items()})
+        for name, one in sides.items():
+            print(f"repeat {repeat + 1}/{args.repeats}: {name}", flush=True)
+            rounds[name].append({size: await size_round(one, batch, args.max_tokens) for size, batch in workload.items()})
+    return {name: summary(side_rounds) for name, side_rounds in rounds.items()}
 
+
+def summary(rounds: list[dict]) -> dict:
     def figure(tokens: int, seconds: float) -> float:
         return round(tokens / seconds, 2)
 
@@ -101,46 +114,28 @@ async def measure(one: OneRequest, tokenizer: Tokenizer, args: argparse.Namespac
             "generated_tokens": [sum(r[s][1] for s in SIZES) for r in rounds]}
 
 
-async def ringllm_side(base_url: str, tokenizer: Tokenizer, args: argparse.Namespace) -> dict:
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1800)) as http:
-        await wait_healthy(http, 300)
+def ringllm_request(http: aiohttp.ClientSession) -> OneRequest:
+    async def one(messages: Messages, max_tokens: int) -> tuple[int, int]:
+        body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        generated, prompt_tokens = 0, 0
+        async with http.post("/v1/chat/completions", json=body) as reply:
+            if reply.status != 200:
+                raise RuntimeError(f"the server answered {reply.status}: {await reply.text()}")
+            async for line in reply.content:
+                if not line.startswith(b"data: {"):
+                    continue
+                event = orjson.loads(line[6:])
+                if "error" in event:
+                    raise RuntimeError(f"the stream failed: {event['error']}")
+                generated += sum(len(c.get("token_ids") or []) for c in event["choices"])
+                prompt_tokens = (event.get("usage") or {}).get("prompt_tokens", prompt_tokens)
+        return prompt_tokens, generated
 
-        async def one(messages: Messages, max_tokens: int) -> tuple[int, int]:
-            body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                    "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
-            generated, prompt_tokens = 0, 0
-            async with http.post("/v1/chat/completions", json=body) as reply:
-                if reply.status != 200:
-                    raise RuntimeError(f"the server answered {reply.status}: {await reply.text()}")
-                async for line in reply.content:
-                    if not line.startswith(b"data: {"):
-                        continue
-                    event = orjson.loads(line[6:])
-                    if "error" in event:
-                        raise RuntimeError(f"the stream failed: {event['error']}")
-                    generated += sum(len(c.get("token_ids") or []) for c in event["choices"])
-                    prompt_tokens = (event.get("usage") or {}).get("prompt_tokens", prompt_tokens)
-            return prompt_tokens, generated
-
-        return await measure(one, tokenizer, args)
+    return one
 
 
-def run_ringllm(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict:
-    """A real server for the ringllm phase only, stopped (and its segments removed) in the finally."""
-    port = free_port()
-    log = Path(tempfile.mkdtemp(prefix="ringllm-vs-hf-")) / "serve.log"
-    print(f"ringllm: serving on port {port}, log {log}", flush=True)
-    with open(log, "wb") as out:
-        server = start_server(["--model", str(model_dir), "--served-model-name", "bench", "--port", str(port),
-                               "--device", args.device, "--dtype", args.dtype], stdout=out, stderr=subprocess.STDOUT)
-    try:
-        return asyncio.run(ringllm_side(f"http://127.0.0.1:{port}", tokenizer, args))
-    finally:
-        stop_server(server)
-
-
-def run_hf(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict:
+def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> OneRequest:
     """The naive HF streaming server: a generate thread per request, its streamer read by another."""
     import torch
     from transformers import AutoModelForCausalLM, TextIteratorStreamer
@@ -177,7 +172,33 @@ def run_hf(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> d
     async def one(messages: Messages, max_tokens: int) -> tuple[int, int]:
         return await asyncio.to_thread(generate, messages, max_tokens)
 
-    return {**asyncio.run(measure(one, tokenizer, args)), "torch_threads": torch.get_num_threads()}
+    return one
+
+
+async def both_sides(base_url: str, model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, dict]:
+    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=1800)) as http:
+        await wait_healthy(http, 300)
+        return await measure({"ringllm": ringllm_request(http), "hf": hf_request(model_dir, tokenizer, args)}, tokenizer, args)
+
+
+def run(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, dict]:
+    """A real server for the whole run (idle, its actors sleep while HF works), stopped and its
+    segments removed in the finally."""
+    import torch
+
+    port = free_port()
+    log = Path(tempfile.mkdtemp(prefix="ringllm-vs-hf-")) / "serve.log"
+    print(f"ringllm: serving on port {port}, log {log}", flush=True)
+    with open(log, "wb") as out:
+        server = start_server(["--model", str(model_dir), "--served-model-name", "bench", "--port", str(port),
+                               "--device", args.device, "--dtype", args.dtype], stdout=out, stderr=subprocess.STDOUT)
+    try:
+        figures = asyncio.run(both_sides(f"http://127.0.0.1:{port}", model_dir, tokenizer, args))
+    finally:
+        stop_server(server)
+    figures["hf"]["torch_threads"] = torch.get_num_threads()
+    return figures
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -186,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="as `ringllm serve --dtype`: auto is fp32 on CPU, bf16 on CUDA")
     parser.add_argument("--requests", type=int, default=8, help="requests per prompt size")
-    parser.add_argument("--max-tokens", type=int, default=64, help="tokens generated by every request")
+    parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated by every request")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="4 requests per size, 16 tokens, 1 repeat (the test's run)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -199,8 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir, required=True)
     started = time.monotonic()
-    ringllm = run_ringllm(model_dir, tokenizer, args)
-    hf = run_hf(model_dir, tokenizer, args)
+    figures = run(model_dir, tokenizer, args)
+    ringllm, hf = figures["ringllm"], figures["hf"]
     result = {
         "speedup": round(ringllm["tok_per_s"] / hf["tok_per_s"], 2), "ringllm_tok_per_s": ringllm["tok_per_s"],
         "hf_tok_per_s": hf["tok_per_s"], "model": model_dir.name,
