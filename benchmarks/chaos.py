@@ -36,7 +36,7 @@ import orjson
 import psutil
 
 from actors.control import ControlBlock
-from benchmarks.server import free_port, start_server, wait_healthy
+from benchmarks.server import free_port, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
@@ -119,10 +119,7 @@ async def _stream(http: aiohttp.ClientSession, body: dict, out: Stream) -> Strea
             if reply.status != 200:
                 out.error = f"HTTP {reply.status}: {await reply.text()}"
                 return out
-            async for line in reply.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[6:])
+            async for event in sse_events(reply):
                 if "error" in event:
                     out.error = event["error"]["message"]
                     return out

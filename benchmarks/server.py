@@ -1,5 +1,5 @@
-"""What the benchmarks that drive a real `ringllm serve` share: starting it, a free port, and
-waiting for health."""
+"""What the benchmarks that drive a real `ringllm serve` share: starting it, a free port,
+waiting for health, and reading a streamed response's events."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 
 import aiohttp
+import orjson
 
 _PR_SET_PDEATHSIG = 1
 
@@ -37,6 +39,13 @@ def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.pid, signal.SIGKILL)
         server.wait()
+
+
+async def sse_events(reply: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """The JSON events of a streamed response, in order ([DONE] and anything not an object skipped)."""
+    async for line in reply.content:
+        if line.startswith(b"data: {"):
+            yield orjson.loads(line[6:])
 
 
 def free_port() -> int:

@@ -43,7 +43,7 @@ import aiohttp
 import orjson
 
 from benchmarks.offline import versions
-from benchmarks.server import free_port, start_server, stop_server, wait_healthy
+from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -122,10 +122,7 @@ def ringllm_request(http: aiohttp.ClientSession) -> OneRequest:
         async with http.post("/v1/chat/completions", json=body) as reply:
             if reply.status != 200:
                 raise RuntimeError(f"the server answered {reply.status}: {await reply.text()}")
-            async for line in reply.content:
-                if not line.startswith(b"data: {"):
-                    continue
-                event = orjson.loads(line[6:])
+            async for event in sse_events(reply):
                 if "error" in event:
                     raise RuntimeError(f"the stream failed: {event['error']}")
                 generated += sum(len(c.get("token_ids") or []) for c in event["choices"])

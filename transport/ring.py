@@ -127,10 +127,6 @@ class _End:
         self._data = buf[_DATA:]
         self.closed = False
 
-    def occupancy(self) -> int:
-        """Bytes written and not yet consumed."""
-        return self._write_pos.value - self._read_pos.value
-
     def close(self) -> None:
         if self.closed:
             return
