@@ -1,4 +1,5 @@
-"""The tokenizer actor: chat templates and batch encoding of everything that is waiting.
+"""The tokenizer actor: chat templates and batch encoding of everything that is waiting (through
+tiktoken where the model's tokenizer allows it: runtime.fast_encode).
 
 Stateless: each frame is a whole request, and the result goes straight on to the scheduler. A
 replayed request is encoded again (encoding is deterministic) and keeps the tokens it already has.
@@ -14,6 +15,7 @@ import structlog
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
+from runtime.fast_encode import fast_encoder
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
@@ -24,6 +26,9 @@ class TokenizerActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         self.tokenizer = load_tokenizer(serve.model_dir, required=True)
+        fast = fast_encoder(serve.model_dir, self.tokenizer)
+        self.encode = fast or self._encode_with_transformers
+        log.info("prompt_encoder", kind="tiktoken" if fast else "transformers")
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
 
@@ -57,7 +62,7 @@ class TokenizerActor(Actor):
                     await self._refuse(rid, epoch, f"the chat template failed: {exc}")
                     continue
             todo.append((rid, epoch, meta, ids, generated))
-        encoded = iter(self.tokenizer(texts, add_special_tokens=False)["input_ids"]) if texts else iter(())
+        encoded = iter(self.encode(texts)) if texts else iter(())
         took = round(time.monotonic() - started, 6)
         for rid, epoch, meta, ids, generated in todo:
             ids = ids if ids is not None else next(encoded)
@@ -76,6 +81,9 @@ class TokenizerActor(Actor):
                 )
             else:
                 await self.send("scheduler", Kind.REQUEST, rid, meta, [ids, generated], epoch=epoch)
+
+    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
+        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def _text_of(self, meta: dict) -> str:
         if meta.get("messages") is not None:

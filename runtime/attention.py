@@ -110,16 +110,21 @@ class TorchAttention:
             width = int(counts.max())
             at = meta.kv_indptr[:-1, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
             pages = torch.from_numpy(meta.kv_indices[at].astype(np.int64)).to(device)
-            mask = np.arange(width * ps)[None, :] < meta.kv_lens[:, None]
-            self._decode = (pages, torch.from_numpy(mask).to(device)[:, None, None, :])
+            # additive, in the pool's dtype: SDPA would convert a boolean mask in every layer
+            hidden = np.arange(width * ps)[None, :] >= meta.kv_lens[:, None]
+            mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
+            self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.dtype, device=device).masked_fill_(mask, float("-inf")))
             return
         self._pages = [torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device)
                        for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])]
 
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
-        """K and V of `pages` ([B, P] or [P]): each [(B,) P·page_size, kv heads, dim]."""
-        kv = self.pool.kv[layer].index_select(0, pages.flatten()).unflatten(0, pages.shape)  # [(B,) P, 2, slot, heads, dim]
-        return kv.select(-4, 0).flatten(-4, -3), kv.select(-4, 1).flatten(-4, -3)
+        """K and V of `pages` ([B, P] or [P]): each [(B,) P·page_size, kv heads, dim], gathered from the
+        pool's K half and V half apart, so that each lands contiguous. (Gathering whole pages and then
+        splitting them cost two more copies: 180 against 65 us per layer at 4 x 600 tokens on CPU.)"""
+        pool, flat = self.pool.kv[layer], pages.flatten()
+        shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
+        return pool.select(1, 0).index_select(0, flat).view(shape), pool.select(1, 1).index_select(0, flat).view(shape)
 
     def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
         self.pool.write(layer, kv, batch)

@@ -89,7 +89,7 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # the chunk budget of one step
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
-    dtype: str = "auto"  # auto: bf16 on CUDA, fp32 on CPU
+    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32
     device: str = "cpu"
     dummy_weights: bool = False
     attention_backend: str = "torch"

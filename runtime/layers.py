@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -22,9 +23,9 @@ Tensor = torch.Tensor
 
 
 def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(x.dtype)
+    """torch's fused kernel (one op where the spelled-out norm took seven). fp32 gives Hugging Face's
+    values; in half precision it applies the weight before rounding, as the CUDA kernels do."""
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 def torch_add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
@@ -37,17 +38,22 @@ def torch_silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
-def torch_rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-    """Half-split rotation. cos_sin: [max position, head_dim] fp32, cos halves then sin halves."""
+def torch_rope_tables(positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
+    """Once per step, for every layer: full-width cos, and sin with its first half negated, so that
+    rotate_half(x)·sin becomes roll(x, half)·sin. cos_sin: [max position, head_dim], cos halves then sin halves."""
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
-    cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+    return torch.cat((cos, cos), -1)[:, None, :], torch.cat((-sin, sin), -1)[:, None, :]
 
-    def rotate(x: Tensor) -> Tensor:
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
 
-    return rotate(q), rotate(k)
+def torch_rope(positions: Tensor, qk: Tensor, heads: int, tables: tuple[Tensor, Tensor]) -> None:
+    """Half-split rotation of q and k heads together, in place, with Hugging Face's arithmetic (the same
+    products and sum, so the same values)."""
+    cos, sin = tables
+    qk.copy_(qk * cos + qk.roll(qk.shape[-1] // 2, -1) * sin)
+
+
+def _whole_cache(positions: Tensor, cos_sin: Tensor) -> Tensor:
+    return cos_sin  # the CUDA rope kernels index the cache by position themselves
 
 
 @dataclass(frozen=True)
@@ -57,11 +63,12 @@ class FusedOps:
     rms_norm: Callable[[Tensor, Tensor, float], Tensor]
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (normed, new residual)
     silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]
-    rope: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]]  # (positions, q, k, cos_sin cache)
+    rope: Callable[[Tensor, Tensor, int, Any], None]  # in place: (positions, qk [T, heads + kv heads, dim], heads, tables)
     # Qwen3's per-head q/k RMSNorm and rope in one pass over the fused qkv rows, where available:
     # (qkv, heads, kv heads, head_dim, eps, q weight, k weight, theta, positions) -> None
     qk_norm_rope: Callable[..., None] | None = None
     rope_cache_fp32: bool = False  # else the cos/sin cache is kept in the activation dtype
+    rope_tables: Callable[[Tensor, Tensor], Any] = _whole_cache  # (positions, cos/sin cache), once per step
 
 
 def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
@@ -83,10 +90,9 @@ def _in_place_add_norm(kernel: Callable) -> Callable[[Tensor, Tensor, Tensor, fl
 def _sgl_kernel() -> FusedOps:
     import sgl_kernel
 
-    def rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-        head_dim = q.shape[-1]
-        sgl_kernel.rotary_embedding(positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), head_dim, cos_sin, True)
-        return q, k
+    def rope(positions: Tensor, qk: Tensor, heads: int, cos_sin: Tensor) -> None:
+        q, k = qk[:, :heads].view(len(qk), -1), qk[:, heads:].view(len(qk), -1)
+        sgl_kernel.rotary_embedding(positions, q, k, qk.shape[-1], cos_sin, True)
 
     def qk_norm_rope(qkv, heads, kv_heads, head_dim, eps, q_weight, k_weight, theta, positions) -> None:
         # default rope: no scaling factor, no yarn band, attention factor 1
@@ -101,10 +107,9 @@ def _sgl_kernel() -> FusedOps:
 def _flashinfer() -> FusedOps:
     import flashinfer
 
-    def rope(positions: Tensor, q: Tensor, k: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
-        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(
-            positions, q.view(q.shape[0], -1), k.view(k.shape[0], -1), q.shape[-1], cos_sin, True)
-        return q, k
+    def rope(positions: Tensor, qk: Tensor, heads: int, cos_sin: Tensor) -> None:
+        q, k = qk[:, :heads].view(len(qk), -1), qk[:, heads:].view(len(qk), -1)
+        flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, qk.shape[-1], cos_sin, True)
 
     return FusedOps(_rows(flashinfer.norm.rmsnorm), _in_place_add_norm(flashinfer.norm.fused_add_rmsnorm),
                     flashinfer.activation.silu_and_mul, rope, rope_cache_fp32=True)
@@ -113,7 +118,7 @@ def _flashinfer() -> FusedOps:
 FUSED_OPS: dict[str, Callable[[], FusedOps]] = {
     "sgl_kernel": _sgl_kernel,
     "flashinfer": _flashinfer,
-    "torch": lambda: FusedOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope),
+    "torch": lambda: FusedOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope, rope_tables=torch_rope_tables),
 }
 
 

@@ -150,20 +150,20 @@ def test_fused_ops_match_torch(name):
     positions = torch.randint(0, 4000, (37,), generator=generator).cuda()
     cache = rope_cos_sin_cache(4096, 128, RopeConfig(theta=1e6)).cuda()
     cache = cache if ops.rope_cache_fp32 else cache.to(torch.bfloat16)
-    qkv = bf16(37, (16 + 2 * 8) * 128)
-    q, k = qkv[:, : 16 * 128].view(37, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(37, 8, 128)
-    expected_q, expected_k = reference.rope(positions, q.clone(), k.clone(), cache)
-    got_q, got_k = ops.rope(positions, q, k, cache)  # in place on views of qkv
-    close(got_q, expected_q, "rope q")
-    close(got_k, expected_k, "rope k")
+    tables = reference.rope_tables(positions, cache.to(torch.bfloat16))
+    qk = bf16(37, (16 + 2 * 8) * 128)[:, : 24 * 128].view(37, 24, 128)  # q and k heads of a qkv row, as the model passes them
+    expected = qk.clone()
+    reference.rope(positions, expected, 16, tables)
+    ops.rope(positions, qk, 16, cache)
+    close(qk, expected, "rope")
     if ops.qk_norm_rope is not None:
         qkv = bf16(37, (16 + 2 * 8) * 128)
-        q, k = qkv[:, : 16 * 128].view(37, 16, 128), qkv[:, 16 * 128 : 24 * 128].view(37, 8, 128)
+        qk = qkv[:, : 24 * 128].view(37, 24, 128)
         qw, kw = weight[:128], weight[128:256]
-        expected_q, expected_k = reference.rope(positions, reference.rms_norm(q, qw, 1e-6), reference.rms_norm(k, kw, 1e-6), cache)
+        expected = torch.cat((reference.rms_norm(qk[:, :16], qw, 1e-6), reference.rms_norm(qk[:, 16:], kw, 1e-6)), dim=1)
+        reference.rope(positions, expected, 16, tables)
         ops.qk_norm_rope(qkv, 16, 8, 128, 1e-6, qw, kw, 1e6, positions.int())
-        close(q, expected_q, "qk_norm_rope q")
-        close(k, expected_k, "qk_norm_rope k")
+        close(qk, expected, "qk_norm_rope")
 
 
 @pytest.mark.parametrize("tokens", [1, 37, 8064])

