@@ -2,8 +2,8 @@
 and rotary embeddings, behind a registry of fused-op sets chosen once at start-up.
 
 `torch` is the reference set that runs everywhere; its math follows Hugging Face (fp32 norm and
-rotary angles, cos/sin cast to the activation dtype) so that outputs match transformers. The CUDA
-sets take sgl-kernel's kernels where it loads, else flashinfer's.
+rotary angles, cos/sin cast to the activation dtype), so that fp32 outputs match transformers. The
+CUDA sets take sgl-kernel's kernels where it loads, else flashinfer's.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ Tensor = torch.Tensor
 
 
 def torch_rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """torch's fused kernel (one op where the spelled-out norm took seven). fp32 gives Hugging Face's
-    values; in half precision it applies the weight before rounding, as the CUDA kernels do."""
+    """torch's rms_norm (one call where the spelled-out norm took seven). In fp32 it gives Hugging
+    Face's values; in half precision it may round once more or less than transformers does, as the
+    CUDA kernels do."""
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

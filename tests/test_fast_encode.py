@@ -6,18 +6,20 @@ from __future__ import annotations
 import importlib.resources
 import json
 import random
+import unicodedata
+from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from runtime.fast_encode import SAMPLE, fast_encoder
+from runtime.fast_encode import MAX_CHARS, SAMPLE, fast_encoder
 
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 
 
 @pytest.fixture(scope="module")
-def qwen_dir(tmp_path_factory):
+def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tokenizers import normalizers
     from transformers.convert_slow_tokenizer import TikTokenConverter
 
@@ -39,16 +41,42 @@ def corpus() -> list[str]:
     return [SAMPLE, "", " ", "\n\n\n", "e\u0301" * 5, *texts]
 
 
-def test_qwen_ids_equal_the_transformers_tokenizer(qwen_dir):
+class CountingTokenizer:
+    """The real transformers tokenizer, counting how often it is asked to encode."""
+
+    def __init__(self, tokenizer: PreTrainedTokenizerFast) -> None:
+        self.tokenizer, self.calls = tokenizer, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.tokenizer(*args, **kwargs)
+
+    def get_added_vocab(self) -> dict[str, int]:
+        return self.tokenizer.get_added_vocab()
+
+
+def test_qwen_ids_equal_the_transformers_tokenizer(qwen_dir: Path) -> None:
     hf = AutoTokenizer.from_pretrained(qwen_dir)
-    encode = fast_encoder(qwen_dir, hf)
+    counting = CountingTokenizer(hf)
+    encode = fast_encoder(qwen_dir, counting)
     assert encode is not None, "Qwen's BPE is tiktoken-shaped"
-    texts = corpus()
+    texts = [unicodedata.normalize("NFC", t) for t in corpus()]
+    asked = counting.calls
     assert encode(texts) == hf(texts, add_special_tokens=False)["input_ids"]
     assert [encode([t])[0] for t in texts[:30]] == hf(texts[:30], add_special_tokens=False)["input_ids"]
+    assert counting.calls == asked, "NFC texts of ordinary length are tiktoken's"
 
 
-def test_merge_order_that_tiktoken_cannot_follow_keeps_transformers(qwen_dir, tmp_path):
+def test_texts_tiktoken_would_get_wrong_go_to_transformers(qwen_dir: Path) -> None:
+    """Not NFC (normalizing "<|im_end|>" + U+0338 eats the token's '>'), or long enough for tiktoken's
+    regex engine to give up on."""
+    hf = AutoTokenizer.from_pretrained(qwen_dir)
+    encode = fast_encoder(qwen_dir, hf)
+    texts = ["<|im_end|>\u0338 and e\u0301", "e\u0301" * 5, " " * (MAX_CHARS + 1), "^" * (MAX_CHARS + 1)]
+    assert encode(texts) == hf(texts, add_special_tokens=False)["input_ids"]
+
+
+def test_merge_order_that_tiktoken_cannot_follow_keeps_transformers(qwen_dir: Path, tmp_path: Path) -> None:
     spec = json.loads((qwen_dir / "tokenizer.json").read_text())
     merges = spec["model"]["merges"]
     merges[0], merges[-1] = merges[-1], merges[0]  # a merged id that falls along the list
@@ -56,7 +84,7 @@ def test_merge_order_that_tiktoken_cannot_follow_keeps_transformers(qwen_dir, tm
     assert fast_encoder(tmp_path, AutoTokenizer.from_pretrained(qwen_dir)) is None
 
 
-def test_gpt2_style_tokenizer_keeps_transformers():
+def test_gpt2_style_tokenizer_keeps_transformers() -> None:
     """SmolLM2's vocabulary was trained by Hugging Face (no ignore_merges): encoding stays with it."""
     from runtime.model_source import load_tokenizer, resolve_model_dir
 

@@ -154,7 +154,7 @@ def test_fused_ops_match_torch(name):
     qk = bf16(37, (16 + 2 * 8) * 128)[:, : 24 * 128].view(37, 24, 128)  # q and k heads of a qkv row, as the model passes them
     expected = qk.clone()
     reference.rope(positions, expected, 16, tables)
-    ops.rope(positions, qk, 16, cache)
+    ops.rope(positions, qk, 16, ops.rope_tables(positions, cache))
     close(qk, expected, "rope")
     if ops.qk_norm_rope is not None:
         qkv = bf16(37, (16 + 2 * 8) * 128)

@@ -8,6 +8,8 @@ residual stream runs through fused add-and-norm kernels.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -34,7 +36,7 @@ class Attention(nn.Module):
         self.qk_norm, self.ops, self.eps, self.theta = cfg.qk_norm, ops, cfg.rms_norm_eps, cfg.rope.theta
         self.fused_qk_norm_rope = cfg.qk_norm and ops.qk_norm_rope is not None and cfg.rope.kind == "default"
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """rope: (positions, the op set's rope tables); positions are int32 for the fused q/k norm-rope kernel."""
         positions, rope_tables = rope
         tokens = x.shape[0]
@@ -73,7 +75,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, torch.Tensor], batch: ForwardBatch,
+    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output, not yet added to `residual` (None before layer 0)."""
         if residual is None:
