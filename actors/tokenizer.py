@@ -26,7 +26,7 @@ class TokenizerActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         self.tokenizer = load_tokenizer(serve.model_dir, required=True)
-        fast = fast_encoder(serve.model_dir, self.tokenizer)
+        fast = fast_encoder(self.tokenizer)
         self.encode = fast or self._encode_with_transformers
         log.info("prompt_encoder", kind="tiktoken" if fast else "transformers")
         model = ModelConfig.load(Path(serve.model_dir))

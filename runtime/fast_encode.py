@@ -17,7 +17,6 @@ from __future__ import annotations
 import json
 import unicodedata
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import structlog
@@ -83,13 +82,16 @@ def _encoding(spec: dict[str, Any], tokenizer: Any, name: str) -> Any | None:
     return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
 
 
-def fast_encoder(model_dir: str | Path, tokenizer: Any) -> Encode | None:
+def fast_encoder(tokenizer: Any) -> Encode | None:
     """A batch encoder through tiktoken that gives `tokenizer`'s ids (no special tokens added), or
-    None where the tokenizer is not tiktoken-shaped, tiktoken is missing, or the sample disagrees."""
+    None where the tokenizer is not tiktoken-shaped, tiktoken is missing, or the sample disagrees.
+    The shape is read from the loaded tokenizer itself, so what is checked is what is compared."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:  # a slow (pure Python) tokenizer
+        return None
     try:
-        spec = json.loads((Path(model_dir) / "tokenizer.json").read_text())
-        encoding = _encoding(spec, tokenizer, Path(model_dir).name)
-    except (ImportError, OSError, ValueError, KeyError) as exc:
+        encoding = _encoding(json.loads(backend.to_str()), tokenizer, tokenizer.name_or_path or "tokenizer")
+    except (ImportError, ValueError, KeyError) as exc:
         log.info("fast_encoder_unavailable", reason=f"{type(exc).__name__}: {exc}")
         return None
     if encoding is None:
@@ -112,6 +114,6 @@ def fast_encoder(model_dir: str | Path, tokenizer: Any) -> Encode | None:
             return with_transformers(texts)
 
     if encode([SAMPLE]) != with_transformers([SAMPLE]):
-        log.warning("fast_encoder_disagrees", model=str(model_dir))
+        log.warning("fast_encoder_disagrees", tokenizer=tokenizer.name_or_path)
         return None
     return encode
