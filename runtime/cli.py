@@ -53,6 +53,7 @@ def serve(args: argparse.Namespace) -> int:
         page_size=args.page_size, num_pages=args.num_pages,
         max_prefill_tokens=args.max_prefill_tokens or (8192 if args.device.startswith("cuda") else 512),
         max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
+        mixed_chunk=args.enable_mixed_chunk,
         dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend or ("flashinfer" if args.device.startswith("cuda") else "torch"),
         mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
     )
@@ -125,6 +126,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the prefill chunk budget of one step (default: 8192 on CUDA; 512 on CPU, where 2048 tokens take "
                         "seconds of a small model and stall every decode behind them)")
     s.add_argument("--disable-prefix-cache", action="store_true")
+    s.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="run decodes inside steps with prefill chunks (default: prefill first, as SGLang does)")
     s.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs "
                                                    "with AMX bf16 tiles, else float32)")
     s.add_argument("--device", default="cpu")

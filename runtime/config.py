@@ -87,6 +87,9 @@ class EngineConfig:
     mem_fraction: float = 0.85  # CUDA: the share of device memory for weights and the KV pool
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
     max_prefill_tokens: int = 8192  # the chunk budget of one step
+    # False (SGLang's default): a step with prefill chunks carries no decodes, which then run as
+    # CUDA graphs; True: decodes ride along every step (steadier inter-token latency)
+    mixed_chunk: bool = False
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
     dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32

@@ -19,7 +19,8 @@ import torch
 from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.cpu import default_dtype
-from runtime.cuda_graph import DecodeGraphs
+from runtime.cuda_graph import DecodeGraphs, capture_sizes
+from runtime.few_row_gemm import use_few_row_gemms
 from runtime.loader import build_model
 from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
 from runtime.sampling_params import SamplingParams
@@ -102,14 +103,15 @@ class Engine:
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
         self._unread: deque[PendingStep] = deque()
-        self.graphs = None
+        self.graphs, few_row_gemms = None, {}
         if self.device.type == "cuda" and config.cuda_graph_max_bs and config.attention_backend == "flashinfer":
-            self.graphs = DecodeGraphs(self.model, self.attention, min(config.cuda_graph_max_bs, slots),
-                                       self.max_pages_per_seq, self.scratch_page, self.device)
+            max_bs = min(config.cuda_graph_max_bs, slots)
+            few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
+            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.device)
         self._warm_up()
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None,
+                 cuda_graphs=self.graphs.sizes if self.graphs else None, tinygemm=few_row_gemms,
                  padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
 
     @torch.inference_mode()

@@ -95,10 +95,10 @@ class Scheduler:
         self._step += 1
         plan = StepPlan(step=self._step, freed=self._freed)
         self._freed, self.admitted = [], []
-        budget = self.config.max_prefill_tokens
+        budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
         for request in list(self.running):
-            if request.slot is None or (request.decoding and self._fully_planned(request)):
-                continue  # preempted earlier in this loop, or its last token is already being drawn
+            if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
+                continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
             prefilling = not request.decoding
             count = min(len(request.tokens) - request.computed, budget) if prefilling else 1
             if count and self._grow(request, count, plan):
@@ -113,6 +113,10 @@ class Scheduler:
             self._grow(request, count, plan)
             self._feed(request, count, plan)
             budget -= count
+        if not mixed and not plan.chunks:  # prefill first: decodes get the steps with nothing to prefill
+            for request in list(self.running):
+                if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
+                    self._feed(request, 1, plan)
         if not plan:
             self._freed = plan.freed  # nothing to run: tell the engine with the next real step
         return plan

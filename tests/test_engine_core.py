@@ -106,8 +106,12 @@ def test_prompt_longer_than_the_context_is_refused(tiny_model):
         llm.generate([[1] * 600], GREEDY)
 
 
-def test_steps_mix_prefill_chunks_with_decodes(tiny_model):
-    llm = LLM(tiny_model("llama"), dtype="float32", page_size=16, max_prefill_tokens=16)
+@pytest.mark.parametrize("mixed_chunk", [False, True])
+def test_step_policies_chunk_prefill_and_agree(tiny_model, mixed_chunk):
+    """Prefill first: no step carries chunks and decodes together. Mixed: some do. Either way the
+    prefill is chunked, and the greedy ids are those of one request at a time."""
+    prompts = random_prompts(6, range(5, 80), seed=10)
+    llm = LLM(tiny_model("llama"), dtype="float32", page_size=16, max_prefill_tokens=16, mixed_chunk=mixed_chunk)
     shapes = []
     launch = llm.engine.launch
 
@@ -116,9 +120,11 @@ def test_steps_mix_prefill_chunks_with_decodes(tiny_model):
         return launch(plan)
 
     llm.engine.launch = recording
-    llm.generate(random_prompts(6, range(5, 80), seed=10), GREEDY)
-    assert any(chunks and decodes for chunks, decodes in shapes)  # mixed steps happened
-    assert max(chunks for chunks, _ in shapes) >= 1 and len(shapes) > 24  # and prefill was chunked
+    together = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    assert any(chunks and decodes for chunks, decodes in shapes) == mixed_chunk, shapes
+    assert max(chunks for chunks, _ in shapes) >= 1 and len(shapes) > 24  # prefill was chunked
+    llm.engine.launch = launch
+    assert together == [llm.generate([p], GREEDY)[0].token_ids for p in prompts]
 
 
 @pytest.mark.parametrize(("dtype", "tolerance"), [("bfloat16", 0.5), ("float16", 0.1)])  # 8- and 11-bit mantissas

@@ -181,3 +181,38 @@ def test_triton_kv_write_equals_index_put(tokens):
     got = torch.zeros_like(expected)
     write_rows(got, kv, rows)
     assert torch.equal(got, expected)
+
+
+def test_few_row_linears_match_cublas():
+    """tinygemm, forced at every row count it may take, with and without a bias; then the timed swap
+    keeps a model's outputs and takes tinygemm only within its row limit."""
+    from torch import nn
+
+    from runtime.few_row_gemm import MAX_ROWS, FewRowLinear, load_tinygemm, use_few_row_gemms
+
+    cuda = torch.device("cuda")
+    tinygemm = load_tinygemm(cuda, torch.bfloat16)
+    if tinygemm is None:
+        pytest.skip("tinygemm needs sm90 and flashinfer's gemm module")
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(2048, 1024, bias=False), nn.Linear(1024, 2048, bias=True), nn.Linear(2048, 1024, bias=False),
+                          nn.Linear(1024, 96, bias=False)).to(cuda, torch.bfloat16)
+    row_counts = [1, 2, 4, 8, 16, 32]
+    inputs = {rows: torch.randn(rows, 2048, device=cuda, dtype=torch.bfloat16) for rows in row_counts}
+    expected = {rows: model(x) for rows, x in inputs.items()}
+
+    def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        error = (got.float() - want.float()).norm() / want.float().norm()
+        assert error < 1e-2, (what, float(error))
+
+    for linear in model[:2]:
+        forced = FewRowLinear(linear, frozenset(row_counts), tinygemm)
+        for rows in row_counts:
+            x = torch.randn(rows, linear.in_features, device=cuda, dtype=torch.bfloat16)
+            close(forced(x), linear(x), f"{linear} at {rows} rows")
+    chosen = use_few_row_gemms(model, row_counts, cuda, torch.bfloat16)
+    assert all(max(rows) <= MAX_ROWS for rows in chosen.values()), chosen
+    linears_of_shape = {"1024x2048": 2, "2048x1024": 1, "96x1024": 1}
+    assert sum(isinstance(m, FewRowLinear) for m in model) == sum(linears_of_shape[shape] for shape in chosen), chosen
+    for rows, x in inputs.items():
+        close(model(x), expected[rows], f"swapped model at {rows} rows")

@@ -17,7 +17,7 @@ from runtime import LLM, SamplingParams
 from tests.tiny_models import ARCHITECTURES
 
 NEW_TOKENS = 48
-CHUNK_BUDGET = 24  # smaller than most prompts: multi-chunk prefill inside mixed steps
+CHUNK_BUDGET = 24  # smaller than most prompts: multi-chunk prefill, alone or inside mixed steps
 NEAR_TIE = 1e-4
 LOGPROB_TOLERANCE = 1e-3
 QUESTIONS = [
@@ -82,9 +82,10 @@ def greedy_matches(ours: list[int], theirs: list[int], ref_logprobs: torch.Tenso
     return 1  # past a tie the two continuations are different texts
 
 
-def compare(model_dir: Path, page_size: int) -> int:
+def compare(model_dir: Path, page_size: int, mixed_chunk: bool) -> int:
     """Run ringllm on the whole batch and check it against transformers; returns near-ties."""
-    llm = LLM(model_dir, dtype="float32", page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, num_pages=8192 // page_size)
+    llm = LLM(model_dir, dtype="float32", page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, num_pages=8192 // page_size,
+              mixed_chunk=mixed_chunk)
     prompts = [list(p) for p in prompts_for(model_dir)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
     near_ties = 0
@@ -99,15 +100,15 @@ def compare(model_dir: Path, page_size: int) -> int:
     return near_ties
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
+@pytest.mark.parametrize(("page_size", "mixed_chunk"), [(1, False), (16, True)])  # both step policies
 @pytest.mark.parametrize("arch", ARCHITECTURES)
-def test_tiny_model_parity(tiny_model, arch, page_size):
-    near_ties = compare(tiny_model(arch), page_size)
+def test_tiny_model_parity(tiny_model, arch, page_size, mixed_chunk):
+    near_ties = compare(tiny_model(arch), page_size, mixed_chunk)
     print(f"{arch} page {page_size}: near-ties {near_ties}")
 
 
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_smollm2_parity(smollm2, page_size):
-    near_ties = compare(smollm2, page_size)
+@pytest.mark.parametrize(("page_size", "mixed_chunk"), [(1, False), (16, True)])
+def test_smollm2_parity(smollm2, page_size, mixed_chunk):
+    near_ties = compare(smollm2, page_size, mixed_chunk)
     print(f"SmolLM2 page {page_size}: near-ties {near_ties}")
     assert near_ties == 0
