@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
+import structlog
 from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
@@ -18,10 +19,13 @@ from actors.kinds import Kind, worker_of
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
+log = structlog.get_logger()
+
 
 @dataclass
 class Stream:
     stop: list[str]
+    skip_special_tokens: bool
     top_logprobs: int
     decoder: DecodeStream
     held: str = ""  # text that may be the start of a stop string
@@ -71,7 +75,8 @@ class DetokenizerActor(Actor):
         rid = item["rid"]
         if "detok" in item:
             detok = item["detok"]
-            self.streams[rid] = Stream(detok["stop"], detok["top_logprobs"], DecodeStream(skip_special_tokens=detok["skip_special_tokens"]),
+            skip = detok["skip_special_tokens"]
+            self.streams[rid] = Stream(detok["stop"], skip, detok["top_logprobs"], DecodeStream(skip_special_tokens=skip),
                                        prompt_tokens=item["prompt_tokens"], cached_tokens=item["cached_tokens"])
             for token in detok["generated"]:  # a replay: rebuild the state its client has already seen
                 self._advance(self.streams[rid], [token], None)
@@ -94,7 +99,7 @@ class DetokenizerActor(Actor):
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
         stream.completion_tokens += len(new)
         shown = new[:-1] if finish == "stop" and new else new  # the stop token (EOS or a stop id) leaves no text, as in vLLM
-        text = stream.held + "".join(piece for token in shown if (piece := stream.decoder.step(self.backend, token)) is not None)
+        text = stream.held + "".join(self._text_of(stream, token) for token in shown)
         if (cut := min((i for s in stream.stop if (i := text.find(s)) >= 0), default=-1)) >= 0:
             text, finish = text[:cut], "stop"
             stream.held = ""
@@ -102,6 +107,17 @@ class DetokenizerActor(Actor):
             keep = held_back(text, stream.stop)
             text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, finish
+
+    def _text_of(self, stream: Stream, token: int) -> str:
+        """The text `token` releases. DecodeStream raises when the window's text stops extending what
+        it showed before (invalid UTF-8 runs can do that), and a replay would raise again: start a
+        fresh window at this token instead, whose empty prefix every text extends."""
+        try:
+            return stream.decoder.step(self.backend, token) or ""
+        except Exception as exc:  # tokenizers raises a plain Exception
+            log.warning("decode_stream_reset", token=token, error=str(exc)[:200])
+            stream.decoder = DecodeStream(skip_special_tokens=stream.skip_special_tokens)
+            return stream.decoder.step(self.backend, token) or ""
 
     def _logprob_entries(self, new: list[int], top: list, keep: int) -> list[dict]:
         """The sampled token's log-probability, and the `keep` best alternatives with their text."""
