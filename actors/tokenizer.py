@@ -7,6 +7,7 @@ replayed request is encoded again (encoding is deterministic) and keeps the toke
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import structlog
 from actors.base import Actor
 from actors.kinds import Kind
 from runtime.config import ModelConfig
-from runtime.fast_encode import fast_encoder
+from runtime.fast_encode import encode_with_transformers, fast_encoder
 from runtime.model_source import load_tokenizer
 from transport.codec import unpack
 
@@ -27,7 +28,7 @@ class TokenizerActor(Actor):
         serve = self.options["serve"]
         self.tokenizer = load_tokenizer(serve.model_dir, required=True)
         fast = fast_encoder(self.tokenizer)
-        self.encode = fast or self._encode_with_transformers
+        self.encode = fast or functools.partial(encode_with_transformers, self.tokenizer)
         log.info("prompt_encoder", kind="tiktoken" if fast else "transformers")
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
@@ -81,9 +82,6 @@ class TokenizerActor(Actor):
                 )
             else:
                 await self.send("scheduler", Kind.REQUEST, rid, meta, [ids, generated], epoch=epoch)
-
-    def _encode_with_transformers(self, texts: list[str]) -> list[list[int]]:
-        return self.tokenizer(texts, add_special_tokens=False)["input_ids"]
 
     def _text_of(self, meta: dict) -> str:
         if meta.get("messages") is not None:

@@ -16,6 +16,8 @@ import structlog
 import torch
 from torch import nn
 
+from runtime.layers import linear_slots
+
 log = structlog.get_logger()
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
@@ -54,10 +56,9 @@ def prepack_linears(model: nn.Module, dtype: torch.dtype) -> bool:
     A tied lm_head gets its own packed copy; the embedding keeps the plain weight."""
     if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return False
-    parents = [(parent, name) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)]
     try:
-        for parent, name in parents:
-            setattr(parent, name, PackedLinear(getattr(parent, name)))
+        for parent, name, linear in linear_slots(model):
+            setattr(parent, name, PackedLinear(linear))
     except (RuntimeError, AttributeError) as exc:  # a torch without these oneDNN ops: plain linears still work
         log.warning("prepack_failed", error=str(exc))
         return False

@@ -19,6 +19,18 @@ from torch import nn
 from runtime.attention import AttentionMeta, ForwardBatch, kv_rows
 
 
+def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> float:
+    """Mean milliseconds of one replay, after one untimed replay."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    graph.replay()
+    start.record()
+    for _ in range(repeats):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in (1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size) if s <= max_batch_size})
 
@@ -50,20 +62,10 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.replay_size = self._fastest_padding()
 
-    def _replay_ms(self, bs: int, repeats: int = 10) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        self.graphs[bs].replay()
-        start.record()
-        for _ in range(repeats):
-            self.graphs[bs].replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeats
-
     def _fastest_padding(self, margin: float = 0.95) -> dict[int, int]:
         """Captured size -> the size its steps replay: itself, unless a larger graph ran faster by
         more than the margin (the margin keeps timing noise from padding for nothing)."""
-        times = {bs: self._replay_ms(bs) for bs in self.sizes}
+        times = {bs: replay_ms(self.graphs[bs]) for bs in self.sizes}
         choice, best = {}, self.sizes[-1]
         for bs in reversed(self.sizes):
             if times[best] >= margin * times[bs]:

@@ -14,6 +14,7 @@ NFC already or is very long (tiktoken's regex engine gives up on long runs of on
 
 from __future__ import annotations
 
+import functools
 import json
 import unicodedata
 from collections.abc import Callable
@@ -29,6 +30,11 @@ MAX_CHARS = 100_000  # longer texts go to transformers
 SAMPLE = ("Hello world!  It's 2026-11-22, 3.14159 and 1234567 units.\n\n\tIndented\r\nline   with  spaces  \n"
           "Ünïcödé: naïve café, Straße, 東京は晴れ。 Привет, мир! مرحبا 🙂👍🏽 <|im_start|>user\nhi<|im_end|>"
           "<think>x</think> don't we'll I'M")
+
+
+def encode_with_transformers(tokenizer: Any, texts: list[str]) -> list[list[int]]:
+    """The Hugging Face tokenizer's ids for a batch, no special tokens added: the reference, and the fallback."""
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 
 def _pattern(pre_tokenizer: dict | None) -> str | None:
@@ -97,8 +103,7 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
     if encoding is None:
         return None
 
-    def with_transformers(texts: list[str]) -> list[list[int]]:
-        return tokenizer(texts, add_special_tokens=False)["input_ids"]
+    with_transformers = functools.partial(encode_with_transformers, tokenizer)
 
     def encode(texts: list[str]) -> list[list[int]]:
         if any(len(t) > MAX_CHARS or not unicodedata.is_normalized("NFC", t) for t in texts):

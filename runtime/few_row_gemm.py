@@ -18,6 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from runtime.cuda_graph import replay_ms
+from runtime.layers import linear_slots
+
 log = structlog.get_logger()
 
 MAX_ROWS = 16  # one or two of tinygemm's 8-row tiles; past that it lost on every shape measured
@@ -55,19 +58,12 @@ class FewRowLinear(nn.Module):
         return out
 
 
-def _graph_ms(calls: Callable[[], None], repeats: int = 5) -> float:
-    calls()
+def _graph_ms(calls: Callable[[], None]) -> float:
+    calls()  # lazy initialisation stays out of the graph
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         calls()
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return replay_ms(graph, repeats=5)
 
 
 def _tinygemm_rows(linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable) -> frozenset[int]:
@@ -95,10 +91,8 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
     if tinygemm is None or not row_counts:
         return {}
     by_shape: dict[tuple[int, int], list[tuple[nn.Module, str, nn.Linear]]] = defaultdict(list)
-    for parent in model.modules():
-        for name, child in parent.named_children():
-            if isinstance(child, nn.Linear):
-                by_shape[tuple(child.weight.shape)].append((parent, name, child))
+    for slot in linear_slots(model):
+        by_shape[tuple(slot[2].weight.shape)].append(slot)
     chosen = {}
     for (n, k), members in by_shape.items():
         if k > MAX_K or k % 64 or n % 16:  # tinygemm's tiling needs K % 64 and N % 16

@@ -137,6 +137,12 @@ def select_fused_ops(device: torch.device, dtype: torch.dtype, prefer: str | Non
     raise AssertionError("the torch op set always loads")
 
 
+def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
+    """Where each nn.Linear hangs (parent, attribute, linear), for swapping in a faster module."""
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
+            if isinstance(child, nn.Linear)]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, ops: FusedOps) -> None:
         super().__init__()
