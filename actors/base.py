@@ -22,6 +22,7 @@ import uvloop
 
 from actors.control import ActorState, ControlBlock
 from actors.topology import ActorSpec
+from runtime.gc_pauses import freeze_startup_heap, log_long_pauses
 from runtime.logs import bind_process, configure_logging
 from transport import codec
 from transport.ring import Frame, RingHandle, RingReader, RingWriter, recv_any_async
@@ -136,9 +137,11 @@ class Actor:
         self.slot["epoch"] = self.epoch
         bind_process(epoch=self.epoch)
         await self.setup()
+        frozen = freeze_startup_heap()
+        log_long_pauses()
         self._beat()
         self.slot["state"] = ActorState.READY
-        log.info("ready")
+        log.info("ready", gc_frozen=frozen)
         tasks = {asyncio.create_task(self.run(), name="run"), asyncio.create_task(self._tick(), name="tick")}
         done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
         self.slot["state"] = ActorState.STOPPING

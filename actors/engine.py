@@ -6,7 +6,8 @@ steps are in flight it stamps when it last made progress (PROGRESS_GAUGE); the s
 a stamp older than --watchdog-timeout as a crash.
 
 A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
-launch, or the end of the step before it, whichever is later) to when its results are read.
+launch, or the end of the step before it, whichever is later) to when its results are read. At
+debug level each step is also logged with its size and how long its launch held the host.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import dataclasses
 import time
 from collections import deque
 from pathlib import Path
+from typing import NamedTuple
 
 import structlog
 
@@ -32,6 +34,15 @@ from transport.codec import unpack
 log = structlog.get_logger()
 
 
+class InFlight(NamedTuple):
+    step: int
+    pending: PendingStep
+    launched: float
+    launch_s: float  # host time the launch took
+    prefill_tokens: int
+    decodes: int
+
+
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
@@ -42,7 +53,7 @@ class EngineActor(Actor):
         started = time.monotonic()
         self.engine = Engine(Path(serve.model_dir), config)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
-        self.in_flight: deque[tuple[int, PendingStep, float]] = deque()
+        self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration
         self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
@@ -64,16 +75,21 @@ class EngineActor(Actor):
                 if not self.in_flight:
                     self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step
-                self.in_flight.append((plan.step, self.engine.launch(plan), launched))
-                if len(self.in_flight) < MAX_IN_FLIGHT and not self.in_flight[0][1].ready():
+                pending = self.engine.launch(plan)
+                self.in_flight.append(InFlight(plan.step, pending, launched, time.monotonic() - launched,
+                                               sum(len(c.token_ids) for c in plan.chunks), len(plan.decodes)))
+                if len(self.in_flight) < MAX_IN_FLIGHT and not self.in_flight[0].pending.ready():
                     continue  # room for one more while the device works; on CPU, launch has done the work
-            elif not self.in_flight[0][1].ready():
+            elif not self.in_flight[0].pending.ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
                 continue
-            step, pending, launched = self.in_flight.popleft()
-            meta, arrays = results_to_wire(step, pending.result())
+            done = self.in_flight.popleft()
+            meta, arrays = results_to_wire(done.step, done.pending.result())
             now = time.monotonic()
-            self.m_step_duration.observe(now - max(launched, self.last_done))
+            duration = now - max(done.launched, self.last_done)
+            self.m_step_duration.observe(duration)
+            log.debug("step", step=done.step, prefill_tokens=done.prefill_tokens, decodes=done.decodes,
+                      launch_ms=round(done.launch_s * 1e3, 3), duration_ms=round(duration * 1e3, 3))
             self.last_done = now
             self.slot["gauges"][PROGRESS_GAUGE] = now if self.in_flight else 0.0
-            await self.send("scheduler", Kind.SAMPLED, step, meta, arrays)
+            await self.send("scheduler", Kind.SAMPLED, done.step, meta, arrays)

@@ -64,10 +64,10 @@ class TokenizerActor(Actor):
                     continue
             todo.append((rid, epoch, meta, ids, generated))
         encoded = iter(self.encode(texts)) if texts else iter(())
-        took = round(time.monotonic() - started, 6)
-        for rid, epoch, meta, ids, generated in todo:
+        for rid, epoch, meta, ids, generated in todo:  # each goes on as soon as its ids are ready
             ids = ids if ids is not None else next(encoded)
-            log.info("tokenized", rid=meta["trace"], prompt_tokens=len(ids), batch=len(todo), tokenize_s=took)
+            log.info("tokenized", rid=meta["trace"], prompt_tokens=len(ids), batch=len(todo),
+                     tokenize_s=round(time.monotonic() - started, 6))
             limit = self.max_position
             if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
                 meta["params"]["max_tokens"] = max(1, limit - len(ids))

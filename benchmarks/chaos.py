@@ -107,8 +107,19 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-        time.sleep(0.5)
-        return sum(psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE for pid in self.descendants)
+        def alive() -> int:
+            count = 0
+            for pid in self.descendants:
+                try:
+                    count += psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+                except psutil.NoSuchProcess:
+                    pass
+            return count
+
+        deadline = time.monotonic() + 10  # multiprocessing's resource tracker leaves a moment after the supervisor
+        while alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return alive()
 
 
 async def _stream(http: aiohttp.ClientSession, body: dict, out: Stream) -> Stream:

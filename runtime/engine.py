@@ -189,14 +189,17 @@ class Engine:
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
             logits = self.graphs.replay(meta, positions, kv_dest, self._to_device(decodes), self.last_tokens)
         else:
-            host = self._to_device(np.concatenate([positions, kv_dest.T.ravel(), decodes, qo_indptr[1:][sampled] - 1]))
+            # KV rows first, [T, 2] at the buffer's start: the Triton KV write then sees the same
+            # alignment and strides at every step, so no step compiles a new variant of it (the
+            # first odd-sized prefill once stalled 87 ms doing so on the H200)
+            host = self._to_device(np.concatenate([kv_dest.ravel(), positions, decodes, qo_indptr[1:][sampled] - 1]))
             input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
             n_chunk = tokens - len(decodes)
             if n_chunk:
                 input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
             if len(decodes):
                 input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
-            batch = ForwardBatch(input_ids, host[:tokens], host[tokens : 3 * tokens].view(2, tokens).T, meta)
+            batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), meta)
             self.attention.prepare(meta)
             hidden = self.model(batch, self.attention)
             logits = self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None

@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import functools
 import json
+import os
+import threading
 import unicodedata
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
 
 log = structlog.get_logger()
 
-Encode = Callable[[list[str]], list[list[int]]]
+Encode = Callable[[list[str]], Iterable[list[int]]]  # each text's ids, in order
 MAX_CHARS = 100_000  # longer texts go to transformers
+ENCODE_THREADS = min(8, os.cpu_count() or 1)  # tiktoken's own batch default, at most one a core
 
 SAMPLE = ("Hello world!  It's 2026-11-22, 3.14159 and 1234567 units.\n\n\tIndented\r\nline   with  spaces  \n"
           "Ünïcödé: naïve café, Straße, 東京は晴れ。 Привет, мир! مرحبا 🙂👍🏽 <|im_start|>user\nhi<|im_end|>"
@@ -104,21 +108,30 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
         return None
 
     with_transformers = functools.partial(encode_with_transformers, tokenizer)
+    one_at_a_time = threading.Lock()  # a tokenizer's Rust core may not be entered by two threads at once
+    pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
 
-    def encode(texts: list[str]) -> list[list[int]]:
-        if any(len(t) > MAX_CHARS or not unicodedata.is_normalized("NFC", t) for t in texts):
-            return with_transformers(texts)
+    def encode_one(text: str) -> list[int]:
         try:
-            if len(texts) == 1:  # encode_batch starts a thread pool per call
-                return [encoding.encode(texts[0], allowed_special="all")]
-            return encoding.encode_batch(texts, allowed_special="all")
+            return encoding.encode(text, allowed_special="all")
         except BaseException as exc:  # a panic in tiktoken's Rust core arrives as pyo3's PanicException, a BaseException
             if type(exc).__name__ != "PanicException":
                 raise
             log.warning("fast_encoder_panicked", error=str(exc)[:200])
-            return with_transformers(texts)
+            with one_at_a_time:
+                return with_transformers([text])[0]
 
-    if encode([SAMPLE]) != with_transformers([SAMPLE]):
+    def encode(texts: list[str]) -> Iterable[list[int]]:
+        """Texts encode in parallel on a pool kept for the process (tiktoken releases the GIL), and
+        each text's ids are ready as soon as it and those before it are: the first prompts of a
+        burst move on while the rest still encode. (tiktoken's encode_batch returns only when
+        all are done, and starts a thread pool per call.)"""
+        if any(len(t) > MAX_CHARS or not unicodedata.is_normalized("NFC", t) for t in texts):
+            with one_at_a_time:
+                return with_transformers(texts)
+        return [encode_one(texts[0])] if len(texts) == 1 else pool.map(encode_one, texts)
+
+    if list(encode([SAMPLE])) != with_transformers([SAMPLE]):
         log.warning("fast_encoder_disagrees", tokenizer=tokenizer.name_or_path)
         return None
     return encode

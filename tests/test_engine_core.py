@@ -188,3 +188,14 @@ def test_any_integer_seed_samples(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="float32", page_size=16)
     for seed in (-1, 2**64 + 5):
         assert len(llm.generate([[5, 6, 7]], SamplingParams(max_tokens=4, temperature=0.7, seed=seed))[0].token_ids) == 4
+
+
+def test_decode_graphs_pad_only_to_a_clearly_faster_graph_at_most_twice_as_large():
+    from runtime.cuda_graph import padding_choice
+
+    replay_ms = {1: 1.0, 2: 0.99, 4: 0.98, 8: 0.5, 16: 0.6, 32: 0.9, 48: 1.0, 64: 1.1, 256: 0.2}
+    choice = padding_choice(replay_ms)
+    assert [choice[n] for n in (1, 2, 4, 8)] == [8, 8, 8, 8]  # small sizes may pad up to 8
+    assert choice[16] == 16 and choice[32] == 32  # a larger graph within reach, but not 5% faster
+    assert choice[48] == 48 and choice[64] == 64  # 256 timed fastest (a busy GPU's figure): out of reach
+    assert choice[256] == 256

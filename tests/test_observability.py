@@ -132,3 +132,21 @@ def test_console_log_format():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RINGLLM_LOG_FORMAT": "console"}).stderr
     assert "hello" in out and "rid=r1" in out and "actor=probe" in out and not out.lstrip().startswith("{")
+
+
+def test_every_actor_freezes_its_start_up_heap(smol_server):
+    """Each actor reports how many objects it moved out of the collector's reach once set up: with
+    torch or transformers imported, far more than a bare interpreter's."""
+    ready = [orjson.loads(line) for line in smol_server.log.read_bytes().splitlines() if b'"event":"ready"' in line]
+    frozen = {line["actor"]: line["gc_frozen"] for line in ready}
+    assert {"tokenizer", "scheduler", "engine", "detokenizer", "api0", "api1"} <= set(frozen), frozen
+    assert min(frozen.values()) > 20_000, frozen
+
+
+def test_long_collections_are_logged():
+    code = ("import gc; from runtime.logs import configure_logging; from runtime.gc_pauses import log_long_pauses; "
+            "configure_logging('probe'); log_long_pauses(0.0); gc.collect()")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    pauses = [orjson.loads(line) for line in out.stderr.splitlines() if '"gc_pause"' in line]
+    assert out.returncode == 0 and pauses and pauses[-1]["generation"] == 2 and pauses[-1]["ms"] >= 0, out.stderr
