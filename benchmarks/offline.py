@@ -55,7 +55,8 @@ def versions() -> dict[str, str]:
 def engine_options(args: argparse.Namespace) -> dict:
     return {"device": args.device, "attention_backend": args.attention_backend, "page_size": args.page_size,
             "max_running_requests": args.max_running_requests, "max_prefill_tokens": args.max_prefill_tokens,
-            "cuda_graph_max_bs": args.cuda_graph_max_bs, "mem_fraction": args.mem_fraction, "mixed_chunk": args.enable_mixed_chunk}
+            "cuda_graph_max_bs": args.cuda_graph_max_bs, "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
+            "mem_fraction": args.mem_fraction, "mixed_chunk": args.enable_mixed_chunk}
 
 
 def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
@@ -146,6 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running-requests", type=int, default=256)
     parser.add_argument("--max-prefill-tokens", type=int, default=8192)
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=3072)
     parser.add_argument("--enable-mixed-chunk", action="store_true")
     parser.add_argument("--mem-fraction", type=float, default=0.85)
     parser.add_argument("--api-workers", type=int, default=2)

@@ -3,7 +3,7 @@
 Each layer's pool is one tensor [page, 2 (K, V), slot in page, kv head, head dim]: flashinfer's
 NHD paged layout, so K and V of a token land with one write. `torch` is the reference backend (CPU,
 or CUDA); `flashinfer` runs paged prefill and tensor-core decode on CUDA in bf16 or fp16, planned
-once per step on the host, and keeps fixed-size decode wrappers for CUDA graphs.
+once per step on the host, and makes the fixed-buffer wrappers that CUDA graphs replay.
 """
 
 from __future__ import annotations
@@ -167,35 +167,45 @@ class FlashInferAttention:
         self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
-        self.graph_wrappers: dict[int, object] = {}
         self.active = self.prefill
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def graph_wrapper(self, batch_size: int, max_pages: int) -> None:
-        """A decode wrapper with fixed buffers for CUDA graphs of `batch_size` sequences."""
+    def _graph_buffers(self, batch_size: int, max_pages: int) -> dict[str, Tensor]:
         device = self.pool.device
-        self.graph_wrappers[batch_size] = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
-            paged_kv_indices_buffer=torch.zeros(max_pages, dtype=torch.int32, device=device),
-            paged_kv_last_page_len_buffer=torch.zeros(batch_size, dtype=torch.int32, device=device),
-        )
+        return {"paged_kv_indptr_buffer": torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+                "paged_kv_indices_buffer": torch.zeros(max_pages, dtype=torch.int32, device=device),
+                "paged_kv_last_page_len_buffer": torch.zeros(batch_size, dtype=torch.int32, device=device)}
 
-    def prepare(self, meta: AttentionMeta, graph_batch_size: int | None = None) -> None:
+    def decode_graph_wrapper(self, batch_size: int, max_pages: int):
+        """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, **self._graph_buffers(batch_size, max_pages))
+
+    def prefill_graph_wrapper(self, batch_size: int, max_pages: int):
+        """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
+        first plan fixes the most rows it takes, and with them its launch grid."""
+        buffers = self._graph_buffers(batch_size, max_pages)
+        return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(buffers["paged_kv_indptr_buffer"]),
+            paged_kv_indptr_buf=buffers["paged_kv_indptr_buffer"], paged_kv_indices_buf=buffers["paged_kv_indices_buffer"],
+            paged_kv_last_page_len_buf=buffers["paged_kv_last_page_len_buffer"])
+
+    def prepare(self, meta: AttentionMeta, wrapper=None) -> None:
+        """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill."""
         pool = self.pool
         self._planned.synchronize()
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
-        if meta.decode_only:
-            self.active = self.decode if graph_batch_size is None else self.graph_wrappers[graph_batch_size]
+        self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        if isinstance(self.active, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
             self.active.plan(kv_indptr, indices, last_page_len, *shape,
                              q_data_type=pool.dtype, kv_data_type=pool.dtype, seq_lens=torch.from_numpy(meta.kv_lens))
         else:
-            self.active = self.prefill
-            self.prefill.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True, q_data_type=pool.dtype, kv_data_type=pool.dtype)
+            self.active.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True,
+                             q_data_type=pool.dtype, kv_data_type=pool.dtype)
         self._planned.record()
 
     def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:

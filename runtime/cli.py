@@ -56,6 +56,7 @@ def serve(args: argparse.Namespace) -> int:
         mixed_chunk=args.enable_mixed_chunk,
         dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights, attention_backend=args.attention_backend or ("flashinfer" if args.device.startswith("cuda") else "torch"),
         mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
+        cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
     )
     config = ServeConfig(
         model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
@@ -134,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--attention-backend", choices=["torch", "flashinfer"], help="default: flashinfer on CUDA, else torch")
     s.add_argument("--mem-fraction", type=float, default=0.85, help="CUDA: share of device memory for weights and KV cache")
     s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="CUDA: largest decode batch replayed as a graph; 0: off")
+    s.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=3072,
+                   help="CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off")
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
     s.add_argument("--max-queued-requests", type=int, default=1024, help="beyond running + queued, new requests get a 503")
     s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")

@@ -86,6 +86,7 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from mem_fraction on CUDA, DEFAULT_KV_TOKENS tokens on CPU
     mem_fraction: float = 0.85  # CUDA: the share of device memory for weights and the KV pool
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
+    cuda_graph_max_prefill_tokens: int = 3072  # steps with prefill chunks up to this many tokens replay CUDA graphs; 0: off
     max_prefill_tokens: int = 8192  # the chunk budget of one step
     # False (SGLang's default): a step with prefill chunks carries no decodes, which then run as
     # CUDA graphs; True: decodes ride along every step (steadier inter-token latency)

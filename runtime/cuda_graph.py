@@ -1,11 +1,9 @@
-"""CUDA graphs of the decode forward (layers and lm_head) for batch sizes up to a maximum.
+"""CUDA graphs of the forward: decode steps (layers and lm_head) up to a batch size, and prefill
+steps (layers only) up to a token count.
 
-A decode step pads to a captured size: the next one up, or one at most twice as large whose graph replayed
-faster at start-up (cuBLAS picks poor kernels for some one-row GEMMs: Qwen3-0.6B's whole decode
-step ran faster padded to 8 rows than at 1 on the H200). Padding rows attend to, and write into, a scratch
-page past the scheduler's pool, so they never touch a live sequence. Inputs live in static
-buffers: each replay copies the step's rows in with one host-to-device copy and gathers the
-token ids from the engine's last sampled tokens on the device.
+A step pads to a captured shape. Padding rows form sequences of their own that attend to, and write
+into, a scratch page past the scheduler's pool, so they never touch a live sequence. Inputs live in
+static buffers that each replay fills.
 """
 
 from __future__ import annotations
@@ -13,10 +11,13 @@ from __future__ import annotations
 import bisect
 
 import numpy as np
+import structlog
 import torch
 from torch import nn
 
 from runtime.attention import AttentionMeta, ForwardBatch, kv_rows
+
+log = structlog.get_logger()
 
 
 def replay_ms(graph: torch.cuda.CUDAGraph, repeats: int = 10) -> float:
@@ -40,33 +41,59 @@ def padding_choice(times: dict[int, float], margin: float = 0.95) -> dict[int, i
                     key=times.__getitem__, default=bs) for bs in times}
 
 
+def pad_meta(meta: AttentionMeta, tokens: int, seqs: int, scratch_page: int, page_size: int) -> AttentionMeta:
+    """`meta` grown to exactly `tokens` rows in `seqs` sequences (at least one more): each added
+    sequence attends to itself on the scratch page, repeated; the first takes the rows the others
+    (one each) leave."""
+    q_lens = np.ones(seqs - len(meta.kv_lens), dtype=np.int32)
+    q_lens[0] = tokens - meta.qo_indptr[-1] - (len(q_lens) - 1)
+    pages = -(-q_lens // page_size)
+    grown = lambda head, tail: np.concatenate([head, head[-1] + np.cumsum(tail)]).astype(np.int32)  # noqa: E731
+    return AttentionMeta(grown(meta.qo_indptr, q_lens), grown(meta.kv_indptr, pages),
+                         np.concatenate([meta.kv_indices, np.full(pages.sum(), scratch_page, np.int32)]),
+                         np.concatenate([meta.kv_lens, q_lens]).astype(np.int32))
+
+
+def no_sequences() -> AttentionMeta:
+    """What graphs are captured on, padded to their shape."""
+    return AttentionMeta(*(np.zeros(n, np.int32) for n in (1, 1, 0, 0)))
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in (1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size) if s <= max_batch_size})
 
 
 class DecodeGraphs:
+    """A decode step pads to the next captured batch size up, or to one at most twice as large whose
+    graph replayed faster at start-up (cuBLAS picks poor kernels for some one-row GEMMs: Qwen3-0.6B's
+    whole decode step ran faster padded to 8 rows than at 1 on the H200). Each replay copies the step's
+    rows in with one host-to-device copy and gathers the token ids from the engine's last sampled
+    tokens on the device."""
+
     @torch.inference_mode()
     def __init__(self, model: nn.Module, attention, max_batch_size: int, max_pages_per_seq: int, scratch_page: int,
                  device: torch.device) -> None:
         self.sizes = capture_sizes(max_batch_size)
         self.attention, self.scratch_page = attention, scratch_page
+        self.page_size = attention.pool.page_size
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), attention.pool.page_size)[0]  # where padding rows write
         self.rows = torch.zeros(3, max_batch_size, dtype=torch.int64, device=device)  # positions, K rows, V rows
         self.rows[1:].copy_(torch.from_numpy(self.scratch_rows)[:, None])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.wrappers: dict[int, object] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        pool = None
+        self.pool = None  # the graphs' shared memory pool
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
-            attention.graph_wrapper(bs, bs * max_pages_per_seq)
+            self.wrappers[bs] = attention.decode_graph_wrapper(bs, bs * max_pages_per_seq)
             batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T,
-                                 self._padded(AttentionMeta(*(np.zeros(n, np.int32) for n in (1, 1, 0, 0))), bs))
-            attention.prepare(batch.meta, bs)
+                                 pad_meta(no_sequences(), bs, bs, scratch_page, self.page_size))
+            attention.prepare(batch.meta, self.wrappers[bs])
             model.logits(model(batch, attention))  # warm-up: lazy initialisation stays out of the graph
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
+            with torch.cuda.graph(graph, pool=self.pool):
                 self.logits[bs] = model.logits(model(batch, attention))
-            pool = graph.pool()
+            self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize()
         self.replay_size = self._fastest_padding()
@@ -81,16 +108,6 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.sizes[-1]
 
-    def _padded(self, meta: AttentionMeta, bs: int) -> AttentionMeta:
-        pad = bs - len(meta.kv_lens)
-        last = meta.kv_indptr[-1]
-        return AttentionMeta(
-            np.arange(bs + 1, dtype=np.int32),
-            np.concatenate([meta.kv_indptr, last + np.arange(1, pad + 1, dtype=np.int32)]),
-            np.concatenate([meta.kv_indices, np.full(pad, self.scratch_page, np.int32)]),
-            np.concatenate([meta.kv_lens, np.ones(pad, np.int32)]),
-        )
-
     def replay(self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray, decode_slots: torch.Tensor,
                last_tokens: torch.Tensor) -> torch.Tensor:
         """Logits [n, vocab] of a decode-only step of n sequences."""
@@ -101,6 +118,69 @@ class DecodeGraphs:
         rows[0, :n], rows[1:, :n] = positions, rows_kv.T
         self.rows[:, :bs].copy_(torch.from_numpy(rows), non_blocking=True)
         torch.index_select(last_tokens, 0, decode_slots, out=self.input_ids[:n])
-        self.attention.prepare(self._padded(meta, bs), bs)
+        if bs > n:
+            meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
+        self.attention.prepare(meta, self.wrappers[bs])
         self.graphs[bs].replay()
         return self.logits[bs][:n]
+
+
+PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 1536, 2048, 3072)
+PREFILL_GRAPH_SEQS = (2, 4, 8)  # the padding sequence included
+
+
+class PrefillGraphs:
+    """An eager prefill is launch-bound below a few thousand tokens: on the H200, Qwen3-0.6B spent
+    8.9 ms of host time launching a 1,008-token prefill whose kernels took 3.0 ms. A step with
+    prefill chunks pads to the smallest captured shape (tokens, sequences) with room for its rows
+    and one padding sequence more, and replays it; the engine then takes the logits of the rows it
+    samples. flashinfer's graph-mode prefill keeps one launch grid for any rows up to the captured
+    count, splitting the KV of long sequences across blocks as needed."""
+
+    @torch.inference_mode()
+    def __init__(self, model: nn.Module, attention, max_tokens: int, max_pages_per_seq: int, scratch_page: int,
+                 device: torch.device, pool=None) -> None:
+        shapes = [(t, s) for t in PREFILL_GRAPH_TOKENS if t <= max_tokens for s in PREFILL_GRAPH_SEQS]
+        self.attention, self.scratch_page = attention, scratch_page
+        self.page_size = attention.pool.page_size
+        most = max((t for t, _ in shapes), default=0)
+        self.input_ids = torch.zeros(most, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(most, dtype=torch.int64, device=device)
+        self.scratch_rows = torch.from_numpy(kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)).to(device)
+        self.rows = self.scratch_rows.repeat(most, 1)  # [T, 2], the layout of eager steps (one Triton variant)
+        self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.wrappers: dict[tuple[int, int], object] = {}
+        self.hidden: dict[tuple[int, int], torch.Tensor] = {}
+        for tokens, seqs in sorted(shapes, reverse=True):  # largest first: the rest reuse its memory
+            wrapper = attention.prefill_graph_wrapper(seqs, seqs * max_pages_per_seq + tokens // self.page_size + 1)
+            batch = ForwardBatch(self.input_ids[:tokens], self.positions[:tokens], self.rows[:tokens],
+                                 pad_meta(no_sequences(), tokens, seqs, scratch_page, self.page_size))
+            try:
+                attention.prepare(batch.meta, wrapper)
+            except Exception as error:  # flashinfer's plan refuses, e.g. split-KV partials beyond its workspace
+                log.warning("prefill_graph_skipped", tokens=tokens, seqs=seqs, error=str(error)[:200])
+                continue
+            model(batch, attention)  # warm-up: lazy initialisation stays out of the graph
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.hidden[tokens, seqs] = model(batch, attention)
+            pool = graph.pool()
+            self.graphs[tokens, seqs], self.wrappers[tokens, seqs] = graph, wrapper
+        torch.cuda.synchronize()
+        self.shapes = sorted(self.graphs)
+
+    def fit(self, tokens: int, seqs: int) -> tuple[int, int] | None:
+        """The smallest captured shape with room for the step and one padding sequence, if any."""
+        return next(((t, s) for t, s in self.shapes if seqs < s and tokens + s - seqs <= t), None)
+
+    def replay(self, shape: tuple[int, int], batch: ForwardBatch) -> torch.Tensor:
+        """Final-norm hidden states [T, hidden] of the step's rows."""
+        tokens, seqs = shape
+        n = len(batch.input_ids)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.rows[:n].copy_(batch.kv_rows)
+        self.rows[n:tokens].copy_(self.scratch_rows.expand(tokens - n, 2))  # a larger step's rows may linger there
+        self.attention.prepare(pad_meta(batch.meta, tokens, seqs, self.scratch_page, self.page_size), self.wrappers[shape])
+        self.graphs[shape].replay()
+        return self.hidden[shape][:n]

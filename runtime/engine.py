@@ -19,7 +19,7 @@ import torch
 from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.cpu import default_dtype
-from runtime.cuda_graph import DecodeGraphs, capture_sizes
+from runtime.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.few_row_gemm import use_few_row_gemms
 from runtime.loader import build_model
 from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
@@ -103,15 +103,21 @@ class Engine:
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
         self._unread: deque[PendingStep] = deque()
-        self.graphs, few_row_gemms = None, {}
-        if self.device.type == "cuda" and config.cuda_graph_max_bs and config.attention_backend == "flashinfer":
+        self.graphs, self.prefill_graphs, few_row_gemms = None, None, {}
+        graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
+        if graphs and config.cuda_graph_max_bs:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.device)
+        if graphs and config.cuda_graph_max_prefill_tokens:
+            self.prefill_graphs = PrefillGraphs(self.model, self.attention, config.cuda_graph_max_prefill_tokens,
+                                                self.max_pages_per_seq, self.scratch_page, self.device,
+                                                self.graphs.pool if self.graphs else None)
         self._warm_up()
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
                  cuda_graphs=self.graphs.sizes if self.graphs else None, tinygemm=few_row_gemms,
+                 prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
                  padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
 
     @torch.inference_mode()
@@ -200,8 +206,12 @@ class Engine:
             if len(decodes):
                 input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
             batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), meta)
-            self.attention.prepare(meta)
-            hidden = self.model(batch, self.attention)
+            shape = self.prefill_graphs.fit(tokens, len(q_lens)) if self.prefill_graphs else None
+            if shape:
+                hidden = self.prefill_graphs.replay(shape, batch)
+            else:
+                self.attention.prepare(meta)
+                hidden = self.model(batch, self.attention)
             logits = self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None
         if not sampled:
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)

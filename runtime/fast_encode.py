@@ -8,8 +8,12 @@ rule, none a prefix of another), and a merge list that tiktoken's rule reproduce
 any adjacent pair whose bytes form a token, the lowest id first; Hugging Face merges the listed
 pair that comes first. They agree when every such pair is listed and merged ids never fall along
 the list: vocabularies trained the tiktoken way and converted (Qwen2/3, Llama 3). Anything else, or
-a sample that encodes differently, keeps the Hugging Face tokenizer; so does any text that is not
-NFC already or is very long (tiktoken's regex engine gives up on long runs of one character).
+a sample that encodes differently, keeps the Hugging Face tokenizer; so does any very long text
+(tiktoken's regex engine gives up on long runs of one character).
+
+Text that is not NFC is normalized as Hugging Face does it: each stretch between added tokens
+(which it matches on the raw text) on its own. Normalizing the whole text could merge a token's
+last character with a combining mark after it ("<|im_end|>" + U+0338 would lose its '>').
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import re
 import threading
 import unicodedata
 from collections.abc import Callable, Iterable
@@ -33,7 +38,7 @@ ENCODE_THREADS = min(8, os.cpu_count() or 1)  # tiktoken's own batch default, at
 
 SAMPLE = ("Hello world!  It's 2026-11-22, 3.14159 and 1234567 units.\n\n\tIndented\r\nline   with  spaces  \n"
           "Ünïcödé: naïve café, Straße, 東京は晴れ。 Привет, мир! مرحبا 🙂👍🏽 <|im_start|>user\nhi<|im_end|>"
-          "<think>x</think> don't we'll I'M")
+          "<think>x</think> don't we'll I'M, cafe\u0301 A\u030a")
 
 
 def encode_with_transformers(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -92,6 +97,24 @@ def _encoding(spec: dict[str, Any], tokenizer: Any, name: str) -> Any | None:
     return tiktoken.Encoding(name, pat_str=pattern, mergeable_ranks=ranks, special_tokens=special)
 
 
+def nfc_between(added_tokens: set[str]) -> Callable[[str], str | None]:
+    """text -> the text with each stretch between added tokens NFC-normalized, or None where that
+    would make tiktoken see the added tokens elsewhere (normalizing can create one: U+212A is 'K')."""
+    split = re.compile("(" + "|".join(map(re.escape, sorted(added_tokens, key=len, reverse=True))) + ")") if added_tokens else None
+
+    def normalize(text: str) -> str | None:
+        if unicodedata.is_normalized("NFC", text):
+            return text
+        if split is None:
+            return unicodedata.normalize("NFC", text)
+        parts = split.split(text)  # stretches at even indices, added tokens at odd ones
+        parts[::2] = [unicodedata.normalize("NFC", stretch) for stretch in parts[::2]]
+        normalized = "".join(parts)
+        return normalized if split.split(normalized) == parts else None
+
+    return normalize
+
+
 def fast_encoder(tokenizer: Any) -> Encode | None:
     """A batch encoder through tiktoken that gives `tokenizer`'s ids (no special tokens added), or
     None where the tokenizer is not tiktoken-shaped, tiktoken is missing, or the sample disagrees.
@@ -100,7 +123,8 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
     if backend is None:  # a slow (pure Python) tokenizer
         return None
     try:
-        encoding = _encoding(json.loads(backend.to_str()), tokenizer, tokenizer.name_or_path or "tokenizer")
+        spec = json.loads(backend.to_str())
+        encoding = _encoding(spec, tokenizer, tokenizer.name_or_path or "tokenizer")
     except (ImportError, ValueError, KeyError) as exc:
         log.info("fast_encoder_unavailable", reason=f"{type(exc).__name__}: {exc}")
         return None
@@ -108,12 +132,17 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
         return None
 
     with_transformers = functools.partial(encode_with_transformers, tokenizer)
+    normalize = nfc_between(encoding.special_tokens_set) if spec.get("normalizer") else lambda text: text
     one_at_a_time = threading.Lock()  # a tokenizer's Rust core may not be entered by two threads at once
     pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
 
     def encode_one(text: str) -> list[int]:
+        normalized = normalize(text)
+        if normalized is None:
+            with one_at_a_time:
+                return with_transformers([text])[0]
         try:
-            return encoding.encode(text, allowed_special="all")
+            return encoding.encode(normalized, allowed_special="all")
         except BaseException as exc:  # a panic in tiktoken's Rust core arrives as pyo3's PanicException, a BaseException
             if type(exc).__name__ != "PanicException":
                 raise
@@ -126,7 +155,7 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
         each text's ids are ready as soon as it and those before it are: the first prompts of a
         burst move on while the rest still encode. (tiktoken's encode_batch returns only when
         all are done, and starts a thread pool per call.)"""
-        if any(len(t) > MAX_CHARS or not unicodedata.is_normalized("NFC", t) for t in texts):
+        if any(len(t) > MAX_CHARS for t in texts):
             with one_at_a_time:
                 return with_transformers(texts)
         return [encode_one(texts[0])] if len(texts) == 1 else pool.map(encode_one, texts)

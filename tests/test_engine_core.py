@@ -4,10 +4,12 @@ different batch shapes agree token for token on any processor."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from runtime import LLM, SamplingParams
+from runtime.attention import AttentionMeta
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -199,3 +201,20 @@ def test_decode_graphs_pad_only_to_a_clearly_faster_graph_at_most_twice_as_large
     assert choice[16] == 16 and choice[32] == 32  # a larger graph within reach, but not 5% faster
     assert choice[48] == 48 and choice[64] == 64  # 256 timed fastest (a busy GPU's figure): out of reach
     assert choice[256] == 256
+
+
+@pytest.mark.parametrize("tokens, seqs", [(128, 3), (128, 8), (1024, 4), (3, 3)])
+def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(tokens, seqs):
+    from runtime.cuda_graph import pad_meta
+
+    page_size, scratch = 16, 99
+    real = AttentionMeta(np.array([0, 1, 2], np.int32), np.array([0, 3, 4], np.int32), np.array([5, 6, 7, 8], np.int32),
+                         np.array([40, 9], np.int32))
+    padded = pad_meta(real, tokens, seqs, scratch, page_size)
+    assert padded.qo_indptr[-1] == tokens and len(padded.kv_lens) == seqs == len(padded.qo_indptr) - 1
+    assert all(a.dtype == np.int32 for a in (padded.qo_indptr, padded.kv_indptr, padded.kv_indices, padded.kv_lens))
+    assert padded.kv_indptr[-1] == len(padded.kv_indices)
+    assert padded.kv_indices[:4].tolist() == real.kv_indices.tolist() and set(padded.kv_indices[4:].tolist()) == {scratch}
+    q_lens, pages = np.diff(padded.qo_indptr)[2:], np.diff(padded.kv_indptr)[2:]
+    assert (q_lens >= 1).all() and (padded.kv_lens[2:] == q_lens).all()  # each attends to itself
+    assert (pages == -(-q_lens // page_size)).all()

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from runtime.fast_encode import MAX_CHARS, SAMPLE, fast_encoder
+from runtime.fast_encode import MAX_CHARS, SAMPLE, fast_encoder, nfc_between
 
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -34,12 +34,13 @@ def qwen_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def corpus() -> list[str]:
     """Seeded random text over ASCII, Latin, CJK, combining marks (NFC matters), emoji, whitespace
-    runs and the special tokens."""
+    runs and the special tokens, some decomposed (NFD)."""
     rng = random.Random(7)
     alphabet = [chr(c) for c in [*range(32, 127), *range(0xA0, 0x250), *range(0x4E00, 0x4E40), 0x301, 0x308, 0x1F642, 0x1F3FD, 9, 10, 13]]
     texts = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 300))) for _ in range(200)]
     texts += [f"{a}{rng.choice(SPECIAL)}{b}" for a, b in zip(texts[:20], texts[20:40])]
-    return [SAMPLE, "", " ", "\n\n\n", "e\u0301" * 5, *texts]
+    texts += [unicodedata.normalize("NFD", f"{a}{rng.choice(SPECIAL)}{b}") for a, b in zip(texts[40:80], texts[80:120])]
+    return [SAMPLE, "", " ", "\n\n\n", "e\u0301" * 5, "<|im_end|>\u0338 and e\u0301", *texts]
 
 
 class CountingTokenizer:
@@ -61,19 +62,27 @@ def test_qwen_ids_equal_the_transformers_tokenizer(qwen_dir: Path) -> None:
     counting = CountingTokenizer(hf)
     encode = fast_encoder(counting)
     assert encode is not None, "Qwen's BPE is tiktoken-shaped"
-    texts = [unicodedata.normalize("NFC", t) for t in corpus()]
+    texts = corpus()  # NFC or not: tiktoken's, normalized between added tokens as transformers does
+    assert sum(not unicodedata.is_normalized("NFC", t) for t in texts) > 30
     asked = counting.calls
     assert list(encode(texts)) == hf(texts, add_special_tokens=False)["input_ids"]
     assert [next(iter(encode([t]))) for t in texts[:30]] == hf(texts[:30], add_special_tokens=False)["input_ids"]
-    assert counting.calls == asked, "NFC texts of ordinary length are tiktoken's"
+    assert counting.calls == asked, "texts of ordinary length are tiktoken's"
+
+
+def test_normalizing_keeps_added_tokens_where_the_raw_text_has_them() -> None:
+    normalize = nfc_between({"<|im_end|>", "<x;>"})
+    # whole-text NFC would turn '>' + U+0338 into '≯' and lose the token
+    assert normalize("a<|im_end|>\u0338e\u0301") == "a<|im_end|>\u0338\u00e9"
+    assert normalize("<x\u037e>") is None  # U+037E normalizes to ';': an added token that the raw text lacks
+    assert normalize("plain") == "plain" and nfc_between(set())("e\u0301") == "\u00e9"
 
 
 def test_texts_tiktoken_would_get_wrong_go_to_transformers(qwen_dir: Path) -> None:
-    """Not NFC (normalizing "<|im_end|>" + U+0338 eats the token's '>'), or long enough for tiktoken's
-    regex engine to give up on."""
+    """Long enough for tiktoken's regex engine to give up on."""
     hf = AutoTokenizer.from_pretrained(qwen_dir)
     encode = fast_encoder(hf)
-    texts = ["<|im_end|>\u0338 and e\u0301", "e\u0301" * 5, " " * (MAX_CHARS + 1), "^" * (MAX_CHARS + 1)]
+    texts = [" " * (MAX_CHARS + 1), "^" * (MAX_CHARS + 1)]
     assert list(encode(texts)) == hf(texts, add_special_tokens=False)["input_ids"]
 
 

@@ -90,9 +90,30 @@ def assert_same_greedy_tokens(reference, candidate, what: str) -> None:
 def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(tmp_path):
     model_dir = build("qwen3", tmp_path, head_dim=128)  # flashinfer's Hopper kernels take head dims 64, 128, 256
     reference = greedy_run(model_dir, attention_backend="torch")
-    eager = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0)
+    eager = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0, cuda_graph_max_prefill_tokens=0)
     assert_same_greedy_tokens(reference, eager, "flashinfer")
     assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer"), "flashinfer + CUDA graphs")
+
+
+def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
+    """Fresh prompts, chunks over a cached prefix, several sequences in a step and smaller steps after
+    larger ones (whose rows linger in the static buffers): replayed as prefill graphs, they must give
+    eager prefill's tokens, and their padding must write no live sequence's KV (later tokens read it)."""
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    generator = torch.Generator().manual_seed(6)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 40, 100, 127, 200, 300, 500)]
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    runs, shapes = {}, []
+    for name, max_tokens in (("eager", 0), ("graphs", 3072)):
+        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=PAGE, num_pages=1024,
+                  max_prefill_tokens=256, cuda_graph_max_prefill_tokens=max_tokens)
+        if max_tokens:
+            graphs = llm.engine.prefill_graphs
+            replay = graphs.replay
+            graphs.replay = lambda shape, batch: (shapes.append(shape), replay(shape, batch))[1]
+        runs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
+    assert any(seqs == 8 for _, seqs in shapes) and len(shapes) >= 5, shapes
+    assert_same_greedy_tokens(runs["eager"], runs["graphs"], "prefill graphs")
 
 
 def test_seeded_sampling_is_batch_invariant_on_cuda(tmp_path):
