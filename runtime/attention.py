@@ -171,25 +171,27 @@ class FlashInferAttention:
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def _graph_buffers(self, batch_size: int, max_pages: int) -> dict[str, Tensor]:
+    def _graph_buffers(self, batch_size: int, max_pages: int) -> tuple[Tensor, Tensor, Tensor]:
+        """kv indptr, kv indices and last page lengths, fixed for a graph's lifetime."""
         device = self.pool.device
-        return {"paged_kv_indptr_buffer": torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
-                "paged_kv_indices_buffer": torch.zeros(max_pages, dtype=torch.int32, device=device),
-                "paged_kv_last_page_len_buffer": torch.zeros(batch_size, dtype=torch.int32, device=device)}
+        return (torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+                torch.zeros(max_pages, dtype=torch.int32, device=device),
+                torch.zeros(batch_size, dtype=torch.int32, device=device))
 
     def decode_graph_wrapper(self, batch_size: int, max_pages: int):
         """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
+        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, **self._graph_buffers(batch_size, max_pages))
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
 
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int):
         """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
         first plan fixes the most rows it takes, and with them its launch grid."""
-        buffers = self._graph_buffers(batch_size, max_pages)
+        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
         return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(buffers["paged_kv_indptr_buffer"]),
-            paged_kv_indptr_buf=buffers["paged_kv_indptr_buffer"], paged_kv_indices_buf=buffers["paged_kv_indices_buffer"],
-            paged_kv_last_page_len_buf=buffers["paged_kv_last_page_len_buffer"])
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(indptr), paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len)
 
     def prepare(self, meta: AttentionMeta, wrapper=None) -> None:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill."""

@@ -9,6 +9,7 @@ static buffers that each replay fills.
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 
 import numpy as np
 import structlog
@@ -59,6 +60,16 @@ def no_sequences() -> AttentionMeta:
     return AttentionMeta(*(np.zeros(n, np.int32) for n in (1, 1, 0, 0)))
 
 
+def capture(forward: Callable[[], torch.Tensor], pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A graph of `forward` and its static output, after one eager run (lazy initialisation stays
+    out of the graph)."""
+    forward()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = forward()
+    return graph, out
+
+
 def capture_sizes(max_batch_size: int) -> list[int]:
     return sorted({s for s in (1, 2, 4, 8, *range(16, max_batch_size + 1, 16), max_batch_size) if s <= max_batch_size})
 
@@ -77,7 +88,7 @@ class DecodeGraphs:
         self.attention, self.scratch_page = attention, scratch_page
         self.page_size = attention.pool.page_size
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), attention.pool.page_size)[0]  # where padding rows write
+        self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
         self.rows = torch.zeros(3, max_batch_size, dtype=torch.int64, device=device)  # positions, K rows, V rows
         self.rows[1:].copy_(torch.from_numpy(self.scratch_rows)[:, None])
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -89,12 +100,8 @@ class DecodeGraphs:
             batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T,
                                  pad_meta(no_sequences(), bs, bs, scratch_page, self.page_size))
             attention.prepare(batch.meta, self.wrappers[bs])
-            model.logits(model(batch, attention))  # warm-up: lazy initialisation stays out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
-                self.logits[bs] = model.logits(model(batch, attention))
-            self.pool = graph.pool()
-            self.graphs[bs] = graph
+            self.graphs[bs], self.logits[bs] = capture(lambda: model.logits(model(batch, attention)), self.pool)
+            self.pool = self.graphs[bs].pool()
         torch.cuda.synchronize()
         self.replay_size = self._fastest_padding()
 
@@ -160,12 +167,9 @@ class PrefillGraphs:
             except Exception as error:  # flashinfer's plan refuses, e.g. split-KV partials beyond its workspace
                 log.warning("prefill_graph_skipped", tokens=tokens, seqs=seqs, error=str(error)[:200])
                 continue
-            model(batch, attention)  # warm-up: lazy initialisation stays out of the graph
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.hidden[tokens, seqs] = model(batch, attention)
-            pool = graph.pool()
-            self.graphs[tokens, seqs], self.wrappers[tokens, seqs] = graph, wrapper
+            self.graphs[tokens, seqs], self.hidden[tokens, seqs] = capture(lambda: model(batch, attention), pool)
+            pool = self.graphs[tokens, seqs].pool()
+            self.wrappers[tokens, seqs] = wrapper
         torch.cuda.synchronize()
         self.shapes = sorted(self.graphs)
 

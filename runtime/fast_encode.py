@@ -136,19 +136,21 @@ def fast_encoder(tokenizer: Any) -> Encode | None:
     one_at_a_time = threading.Lock()  # a tokenizer's Rust core may not be entered by two threads at once
     pool = ThreadPoolExecutor(ENCODE_THREADS, thread_name_prefix="encode")
 
+    def one_with_transformers(text: str) -> list[int]:
+        with one_at_a_time:
+            return with_transformers([text])[0]
+
     def encode_one(text: str) -> list[int]:
         normalized = normalize(text)
         if normalized is None:
-            with one_at_a_time:
-                return with_transformers([text])[0]
+            return one_with_transformers(text)
         try:
             return encoding.encode(normalized, allowed_special="all")
         except BaseException as exc:  # a panic in tiktoken's Rust core arrives as pyo3's PanicException, a BaseException
             if type(exc).__name__ != "PanicException":
                 raise
             log.warning("fast_encoder_panicked", error=str(exc)[:200])
-            with one_at_a_time:
-                return with_transformers([text])[0]
+            return one_with_transformers(text)
 
     def encode(texts: list[str]) -> Iterable[list[int]]:
         """Texts encode in parallel on a pool kept for the process (tiktoken releases the GIL), and
