@@ -50,12 +50,6 @@ def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarra
     return np.stack([k, k + page_size], axis=-1)
 
 
-try:  # the Triton KV write, where triton imports (it ships with CUDA builds of torch)
-    from runtime.kv_write_kernel import write_rows as _triton_write_rows
-except ImportError:
-    _triton_write_rows = None
-
-
 class KVPool:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
@@ -75,20 +69,20 @@ class KVPool:
         return self.kv[layer].view(-1, self.num_kv_heads * self.head_dim)
 
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
-        """kv: [T, 2, kv heads, dim] for the step's new tokens."""
-        if self.device.type == "cuda" and _triton_write_rows is not None:
-            _triton_write_rows(self.rows(layer), kv, batch.kv_rows)
-        else:
-            self.rows(layer)[batch.kv_rows] = kv.flatten(2)
+        """kv: [T, 2, kv heads, dim] for the step's new tokens. (On CUDA, rope_kv_kernel writes them
+        as it rotates K.)"""
+        self.rows(layer)[batch.kv_rows] = kv.flatten(2)
 
 
 class AttentionBackend(Protocol):
+    pool: KVPool
+
     def prepare(self, meta: AttentionMeta) -> None:
         """Per-step planning shared by every layer."""
         ...
 
-    def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
-        """q: [T, heads, dim]; kv: [T, 2, kv heads, dim] of the new tokens. Returns [T, heads, dim]."""
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+        """q: [T, heads, dim], the step's new K and V already in the pool. Returns [T, heads, dim]."""
         ...
 
 
@@ -126,8 +120,7 @@ class TorchAttention:
         shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
         return pool.select(1, 0).index_select(0, flat).view(shape), pool.select(1, 1).index_select(0, flat).view(shape)
 
-    def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
-        self.pool.write(layer, kv, batch)
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         meta, kv_heads = batch.meta, self.pool.num_kv_heads
         if self._decode is not None:
             pages, mask = self._decode
@@ -210,8 +203,7 @@ class FlashInferAttention:
                              q_data_type=pool.dtype, kv_data_type=pool.dtype)
         self._planned.record()
 
-    def forward(self, layer: int, q: Tensor, kv: Tensor, batch: ForwardBatch) -> Tensor:
-        self.pool.write(layer, kv, batch)
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         # every row is written: flashinfer's own prefill output is zero-filled first (11 us a layer at 8k tokens)
         return self.active.run(q, self.pool.kv[layer], out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
 

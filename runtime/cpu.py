@@ -24,15 +24,20 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 BATCH_HINT = 8  # the row count oneDNN tunes the layout for: decode batches; prefill rows lose nothing measurable
 
 
+def cpuinfo(field: str) -> str:
+    """The first processor's `field` in /proc/cpuinfo ('' where there is none)."""
+    try:
+        line = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith(field))
+    except (OSError, StopIteration):
+        return ""
+    return line.partition(":")[2].strip()
+
+
 @cache
 def has_amx_bf16() -> bool:
     """AMX tiles with bf16: oneDNN's bf16 GEMMs there outrun fp32 ones (elsewhere bf16 is emulated
     and slower). Read from the kernel's CPU flags, as torch offers no public query."""
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return False
-    return "amx_bf16" in flags.split()
+    return "amx_bf16" in cpuinfo("flags").split()
 
 
 def default_dtype() -> torch.dtype:

@@ -195,7 +195,7 @@ class Engine:
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
             logits = self.graphs.replay(meta, positions, kv_dest, self._to_device(decodes), self.last_tokens)
         else:
-            # KV rows first, [T, 2] at the buffer's start: the Triton KV write then sees the same
+            # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
             # alignment and strides at every step, so no step compiles a new variant of it (the
             # first odd-sized prefill once stalled 87 ms doing so on the H200)
             host = self._to_device(np.concatenate([kv_dest.ravel(), positions, decodes, qo_indptr[1:][sampled] - 1]))

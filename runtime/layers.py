@@ -3,7 +3,9 @@ and rotary embeddings, behind a registry of fused-op sets chosen once at start-u
 
 `torch` is the reference set that runs everywhere; its math follows Hugging Face (fp32 norm and
 rotary angles, cos/sin cast to the activation dtype), so that fp32 outputs match transformers. The
-CUDA sets take sgl-kernel's kernels where it loads, else flashinfer's.
+CUDA sets take sgl-kernel's kernels where it loads, else flashinfer's, and where Triton imports
+(CUDA builds of torch ship it) a layer's q/k norm, rope and KV write run as one pass of ours
+(runtime.rope_kv_kernel).
 """
 
 from __future__ import annotations
@@ -65,9 +67,8 @@ class FusedOps:
     add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]]  # (normed, new residual)
     silu_and_mul: Callable[[Tensor], Tensor]  # [T, 2I] -> [T, I]
     rope: Callable[[Tensor, Tensor, int, Any], None]  # in place: (positions, qk [T, heads + kv heads, dim], heads, tables)
-    # Qwen3's per-head q/k RMSNorm and rope in one pass over the fused qkv rows, where available:
-    # (qkv, heads, kv heads, head_dim, eps, q weight, k weight, theta, positions) -> None
-    qk_norm_rope: Callable[..., None] | None = None
+    # q/k norms (or none), rope and the KV write in one pass, where available: see rope_kv_kernel.rope_kv_write
+    rope_kv_write: Callable[..., None] | None = None
     rope_cache_fp32: bool = False  # else the cos/sin cache is kept in the activation dtype
     rope_tables: Callable[[Tensor, Tensor], Any] = _whole_cache  # (positions, cos/sin cache), once per step
 
@@ -88,6 +89,14 @@ def _in_place_add_norm(kernel: Callable) -> Callable[[Tensor, Tensor, Tensor, fl
     return add_rms_norm
 
 
+def _triton_rope_kv_write() -> Callable[..., None] | None:
+    try:
+        from runtime.rope_kv_kernel import rope_kv_write
+    except ImportError:
+        return None
+    return rope_kv_write
+
+
 def _sgl_kernel() -> FusedOps:
     import sgl_kernel
 
@@ -95,14 +104,9 @@ def _sgl_kernel() -> FusedOps:
         q, k = qk[:, :heads].view(len(qk), -1), qk[:, heads:].view(len(qk), -1)
         sgl_kernel.rotary_embedding(positions, q, k, qk.shape[-1], cos_sin, True)
 
-    def qk_norm_rope(qkv, heads, kv_heads, head_dim, eps, q_weight, k_weight, theta, positions) -> None:
-        # default rope: no scaling factor, no yarn band, attention factor 1
-        sgl_kernel.fused_qk_norm_rope(qkv, heads, kv_heads, kv_heads, head_dim, eps, q_weight, k_weight, theta, True,
-                                      positions, 1.0, 0.0, 0.0, 1.0)
-
-    fused = hasattr(torch.ops.sgl_kernel, "fused_qk_norm_rope")
+    fused = _triton_rope_kv_write()  # its cache is fp32; sgl-kernel's rope wants the activation dtype
     return FusedOps(_rows(sgl_kernel.rmsnorm), _in_place_add_norm(sgl_kernel.fused_add_rmsnorm), sgl_kernel.silu_and_mul,
-                    rope, qk_norm_rope if fused else None)
+                    rope, fused, rope_cache_fp32=fused is not None)
 
 
 def _flashinfer() -> FusedOps:
@@ -113,7 +117,7 @@ def _flashinfer() -> FusedOps:
         flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, qk.shape[-1], cos_sin, True)
 
     return FusedOps(_rows(flashinfer.norm.rmsnorm), _in_place_add_norm(flashinfer.norm.fused_add_rmsnorm),
-                    flashinfer.activation.silu_and_mul, rope, rope_cache_fp32=True)
+                    flashinfer.activation.silu_and_mul, rope, _triton_rope_kv_write(), rope_cache_fp32=True)
 
 
 FUSED_OPS: dict[str, Callable[[], FusedOps]] = {

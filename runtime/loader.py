@@ -25,7 +25,7 @@ def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: t
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)
-    log.info("fused_ops", ops=ops_name)
+    log.info("fused_ops", ops=ops_name, rope_kv_write="triton" if ops.rope_kv_write else None)
     with torch.device("meta"):  # no time spent initialising weights that are overwritten next
         model = MODELS[cfg.architecture](cfg, ops)
     model.fused_ops = ops_name

@@ -56,9 +56,10 @@ def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads):
     for name, backend_cls in ATTENTION_BACKENDS.items():
         pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
         pool.kv[0].copy_(history)
+        pool.write(0, kv, batch)
         backend = backend_cls(pool, HEADS)
         backend.prepare(batch.meta)
-        outputs[name] = backend.forward(0, q, kv, batch).float()
+        outputs[name] = backend.forward(0, q, batch).float()
     error = (outputs["flashinfer"] - outputs["torch"]).norm() / outputs["torch"].norm()
     print(f"flashinfer vs torch attention, bf16, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
     assert error < 1e-2
@@ -170,49 +171,63 @@ def test_fused_ops_match_torch(name):
 
     positions = torch.randint(0, 4000, (37,), generator=generator).cuda()
     cache = rope_cos_sin_cache(4096, 128, RopeConfig(theta=1e6)).cuda()
-    cache = cache if ops.rope_cache_fp32 else cache.to(torch.bfloat16)
+    cache = cache if name == "flashinfer" else cache.to(torch.bfloat16)  # sgl-kernel's rope takes the activation dtype
     tables = reference.rope_tables(positions, cache.to(torch.bfloat16))
     qk = bf16(37, (16 + 2 * 8) * 128)[:, : 24 * 128].view(37, 24, 128)  # q and k heads of a qkv row, as the model passes them
     expected = qk.clone()
     reference.rope(positions, expected, 16, tables)
     ops.rope(positions, qk, 16, ops.rope_tables(positions, cache))
     close(qk, expected, "rope")
-    if ops.qk_norm_rope is not None:
-        qkv = bf16(37, (16 + 2 * 8) * 128)
-        qk = qkv[:, : 24 * 128].view(37, 24, 128)
-        qw, kw = weight[:128], weight[128:256]
-        expected = torch.cat((reference.rms_norm(qk[:, :16], qw, 1e-6), reference.rms_norm(qk[:, 16:], kw, 1e-6)), dim=1)
-        reference.rope(positions, expected, 16, tables)
-        ops.qk_norm_rope(qkv, 16, 8, 128, 1e-6, qw, kw, 1e6, positions.int())
-        close(qk, expected, "qk_norm_rope")
 
 
 @pytest.mark.parametrize("layout", ["eager", "graph"])
 @pytest.mark.parametrize("tokens", [1, 37, 8064])
-def test_triton_kv_write_equals_index_put(tokens, layout):
-    """K and V rows of a strided qkv view, to rows given as [T, 2] (eager steps) or as a transposed
-    view of a [2, T] buffer (CUDA graphs)."""
-    from runtime.kv_write_kernel import write_rows
+@pytest.mark.parametrize("heads, kv_heads, norms", [(16, 8, True), (32, 8, True), (32, 8, False)])
+def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, norms):
+    """The one-pass q/k norm, rope and KV write against the torch reference's norms, rope and
+    index_put: q rotated in place, K and V at rows given as [T, 2] (eager steps) or as a transposed
+    view of a [2, T] buffer (decode graphs), and every other pool row untouched."""
+    from runtime.config import RopeConfig
+    from runtime.layers import FUSED_OPS, rope_cos_sin_cache
+    from runtime.rope_kv_kernel import rope_kv_write
 
+    reference = FUSED_OPS["torch"]()
     generator = torch.Generator().manual_seed(6)
-    qkv = torch.randn(tokens, (16 + 2 * 8) * 128, generator=generator).to("cuda", torch.bfloat16)
-    kv = qkv[:, 16 * 128 :].view(tokens, 2, 8, 128)
+    bf16 = lambda *shape: torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)  # noqa: E731
+    qkv = bf16(tokens, (heads + 2 * kv_heads) * 128)
+    positions = torch.randint(0, 4000, (tokens,), generator=generator).cuda()
+    cache = rope_cos_sin_cache(4096, 128, RopeConfig(theta=1e6)).cuda()
+    q_norm, k_norm = (bf16(128).abs(), bf16(128).abs()) if norms else (None, None)
     pool_rows = 2 * tokens + 64
     picked = torch.randperm(pool_rows, generator=generator)[: 2 * tokens]
     rows = (picked.view(tokens, 2) if layout == "eager" else picked.view(2, tokens).T).cuda()
-    expected = torch.zeros(pool_rows, 8 * 128, dtype=torch.bfloat16, device="cuda")
-    expected[rows] = kv.flatten(2)
-    got = torch.zeros_like(expected)
-    write_rows(got, kv, rows)
-    assert torch.equal(got, expected)
+
+    qk = qkv[:, : (heads + kv_heads) * 128].view(tokens, heads + kv_heads, 128).clone()
+    if norms:
+        qk = torch.cat((reference.rms_norm(qk[:, :heads], q_norm, 1e-6), reference.rms_norm(qk[:, heads:], k_norm, 1e-6)), 1)
+    reference.rope(positions, qk, heads, reference.rope_tables(positions, cache.to(torch.bfloat16)))
+    expected = torch.full((pool_rows, kv_heads * 128), 7.0, dtype=torch.bfloat16, device="cuda")
+    expected[rows] = torch.stack((qk[:, heads:].flatten(1), qkv[:, (heads + kv_heads) * 128 :]), 1)
+    got, pool = qkv.clone(), torch.full_like(expected, 7.0)
+    rope_kv_write(got, positions, cache, q_norm, k_norm, 1e-6, pool, rows, heads, kv_heads)
+
+    def error(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float((a.float() - b.float()).norm() / b.float().norm())
+
+    assert error(got[:, : heads * 128], qk[:, :heads].flatten(1)) < 1e-2
+    assert error(pool, expected) < 1e-2
+    untouched = torch.ones(pool_rows, dtype=torch.bool)
+    untouched[picked] = False
+    assert torch.equal(pool[untouched.cuda()], expected[untouched.cuda()])
+    assert torch.equal(got[:, heads * 128 :], qkv[:, heads * 128 :])  # K and V rows of qkv are left as they came
 
 
-def test_eager_steps_of_any_size_reuse_the_warm_up_kv_write_variant(tmp_path):
+def test_eager_steps_of_any_size_reuse_the_warm_up_rope_kv_variant(tmp_path):
     """Triton compiles a kernel variant per argument class; one compiled mid-serving stalled a step
     87 ms on the H200. Prefills of 1, 7, 16 and 37 tokens and eager decodes must add none."""
-    from runtime.kv_write_kernel import _write_rows_kernel
+    from runtime.rope_kv_kernel import _rope_kv_kernel
 
-    caches = getattr(_write_rows_kernel, "device_caches", None)
+    caches = getattr(_rope_kv_kernel, "device_caches", None)
     if caches is None:
         pytest.skip("this Triton keeps its compiled variants elsewhere")
     variants = lambda: sum(len(entry[0]) for entry in caches.values())  # noqa: E731

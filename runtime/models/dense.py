@@ -33,25 +33,24 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
-        self.qk_norm, self.ops, self.eps, self.theta = cfg.qk_norm, ops, cfg.rms_norm_eps, cfg.rope.theta
-        self.fused_qk_norm_rope = cfg.qk_norm and ops.qk_norm_rope is not None and cfg.rope.kind == "default"
+        self.qk_norm, self.ops, self.eps = cfg.qk_norm, ops, cfg.rms_norm_eps
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """rope: (positions, the op set's rope tables); positions are int32 for the fused q/k norm-rope kernel."""
+        """rope: (positions, the op set's rope tables). The step's K and V reach the pool before attention."""
         positions, rope_tables = rope
         tokens = x.shape[0]
         qkv = self.qkv_proj(x)
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
-        if self.fused_qk_norm_rope:  # in place on qkv
-            self.ops.qk_norm_rope(qkv, self.heads, self.kv_heads, self.head_dim, self.eps, self.q_norm.weight,
-                                  self.k_norm.weight, self.theta, positions)
+        if self.ops.rope_kv_write is not None:  # q in place, K and V straight to the pool
+            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+            self.ops.rope_kv_write(qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer),
+                                   batch.kv_rows, self.heads, self.kv_heads)
         else:
             if self.qk_norm:  # per-head norms, written back for the in-place rotation
                 qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
             self.ops.rope(positions, qk, self.heads, rope_tables)
-        q = qk[:, : self.heads]
-        kv = qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim)
-        out = backend.forward(self.layer, q, kv, batch)
+            backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), batch)
+        out = backend.forward(self.layer, qk[:, : self.heads], batch)
         return self.o_proj(out.reshape(tokens, self.q_size))
 
 
@@ -116,9 +115,7 @@ class DenseForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """Final-norm hidden states, [T, hidden]."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
-        fused = self.model.layers[0].self_attn.fused_qk_norm_rope
-        positions = batch.positions.int() if fused else batch.positions
-        rope = (positions, self.rope_tables(positions, self.rope_cache))
+        rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
         return self.model.norm(h, residual)[0]
