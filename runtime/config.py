@@ -99,5 +99,16 @@ class EngineConfig:
     attention_backend: str = "torch"
     seed: int = 0  # seeds the per-request seeds of requests that bring none
 
+    def __post_init__(self) -> None:
+        """Sizes that could never run: a chunk budget of 0 would hold every prompt forever."""
+        at_least = {"page_size": 1, "max_prefill_tokens": 1, "max_running_requests": 1, "num_pages": 1,
+                    "cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0}
+        for name, least in at_least.items():
+            value = getattr(self, name)
+            if value is not None and value < least:
+                raise ValueError(f"{name} must be at least {least}, not {value}")
+        if not 0 < self.mem_fraction <= 1:
+            raise ValueError(f"mem_fraction must be in (0, 1], not {self.mem_fraction}")
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

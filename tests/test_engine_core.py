@@ -4,6 +4,9 @@ different batch shapes agree token for token on any processor."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -218,3 +221,16 @@ def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(token
     q_lens, pages = np.diff(padded.qo_indptr)[2:], np.diff(padded.kv_indptr)[2:]
     assert (q_lens >= 1).all() and (padded.kv_lens[2:] == q_lens).all()  # each attends to itself
     assert (pages == -(-q_lens // page_size)).all()
+
+
+@pytest.mark.parametrize("field, value", [("max_prefill_tokens", 0), ("page_size", 0), ("max_running_requests", -1),
+                                          ("num_pages", 0), ("cuda_graph_max_bs", -1), ("mem_fraction", 1.5)])
+def test_sizes_that_could_never_run_are_refused(field, value, tiny_model):
+    """A chunk budget of 0 used to hold every prompt forever; now the offline API and `ringllm serve`
+    refuse such sizes before anything starts."""
+    with pytest.raises(ValueError, match=field):
+        LLM(tiny_model("llama"), **{field: value})
+    flag = "--" + field.replace("_", "-")
+    done = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", flag, str(value), "--port", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and f"error: {field}" in done.stderr, done.stderr[-2000:]
