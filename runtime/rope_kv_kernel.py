@@ -1,5 +1,5 @@
-"""Qwen3's per-head q/k RMSNorm, rotary embedding and the KV write as one Triton pass over a
-step's qkv rows: q is rotated in place, K (normed, rotated) and V go straight to their pool rows.
+"""Rotary embedding, Qwen3's per-head q/k RMSNorm (where the model has one) and the KV write as one
+Triton pass over a step's qkv rows: q is rotated in place, K and V go straight to their pool rows.
 
 Before, these were two kernels: sgl-kernel's fused q/k norm + rope (67 us a layer for an 8k-token
 prefill of Qwen3-0.6B on the H200, computing every angle in the kernel) and a row copy into the
