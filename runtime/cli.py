@@ -48,16 +48,16 @@ def serve(args: argparse.Namespace) -> int:
 
     os.environ["RINGLLM_LOG_FORMAT"] = args.log_format  # every actor inherits it
     configure_logging("supervisor")
-    default_chunk = 8192 if args.device.startswith("cuda") else 512
+    cuda = args.device.startswith("cuda")
     try:
         if args.api_workers < 1:
             raise ValueError(f"api_workers must be at least 1, not {args.api_workers}")
         engine = EngineConfig(
             page_size=args.page_size, num_pages=args.num_pages,
-            max_prefill_tokens=default_chunk if args.max_prefill_tokens is None else args.max_prefill_tokens,
+            max_prefill_tokens=(8192 if cuda else 512) if args.max_prefill_tokens is None else args.max_prefill_tokens,
             max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
             mixed_chunk=args.enable_mixed_chunk, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
-            attention_backend=args.attention_backend or ("flashinfer" if args.device.startswith("cuda") else "torch"),
+            attention_backend=args.attention_backend or ("flashinfer" if cuda else "torch"),
             mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
             cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
         )
