@@ -15,6 +15,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from runtime import cpu_kernels
+
 Tensor = torch.Tensor
 
 
@@ -90,10 +92,12 @@ class TorchAttention:
     """Gathers each sequence's pages from the pool and runs SDPA on them: one call per layer for
     a decode-only step (the batch padded to its longest sequence and masked), one per sequence
     otherwise. Whole pages, not token rows: on CPU, copying 16-row blocks took a seventh of the time
-    of a per-row gather, which had cost more than the attention itself."""
+    of a per-row gather, which had cost more than the attention itself. In fp32 on CPU, where
+    ringllm's kernels build, a decode-only step reads K and V where they lie instead."""
 
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         self.pool = pool
+        self.in_place = pool.device.type == "cpu" and pool.dtype == torch.float32 and cpu_kernels.available()
 
     def prepare(self, meta: AttentionMeta) -> None:
         device, ps = self.pool.device, self.pool.page_size
@@ -104,6 +108,9 @@ class TorchAttention:
             width = int(counts.max())
             at = meta.kv_indptr[:-1, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
             pages = torch.from_numpy(meta.kv_indices[at].astype(np.int64)).to(device)
+            if self.in_place:
+                self._decode = (pages, torch.from_numpy(meta.kv_lens.astype(np.int64)))
+                return
             # additive, in the pool's dtype: SDPA would convert a boolean mask in every layer
             hidden = np.arange(width * ps)[None, :] >= meta.kv_lens[:, None]
             mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
@@ -122,6 +129,9 @@ class TorchAttention:
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         meta, kv_heads = batch.meta, self.pool.num_kv_heads
+        if self._decode is not None and self.in_place:
+            pages, kv_lens = self._decode
+            return torch.ops.ringllm_cpu.paged_decode_attention(q, self.pool.kv[layer], pages, kv_lens, q.shape[-1] ** -0.5)
         if self._decode is not None:
             pages, mask = self._decode
             keys, values = self._kv(layer, pages)

@@ -5,7 +5,8 @@ and rotary embeddings, behind a registry of fused-op sets chosen once at start-u
 rotary angles, cos/sin cast to the activation dtype), so that fp32 outputs match transformers. The
 CUDA sets take sgl-kernel's kernels where it loads, else flashinfer's, and where Triton imports
 (CUDA builds of torch ship it) a layer's q/k norm, rope and KV write run as one pass of ours
-(runtime.rope_kv_kernel).
+(runtime.rope_kv_kernel). On CPU in fp32, `ringllm_cpu` takes the norms and SiLU-and-mul from
+ringllm's CPU kernels (runtime.cpu_kernels) where they build.
 """
 
 from __future__ import annotations
@@ -120,25 +121,41 @@ def _flashinfer() -> FusedOps:
                     flashinfer.activation.silu_and_mul, rope, _triton_rope_kv_write(), rope_cache_fp32=True)
 
 
+def _ringllm_cpu() -> FusedOps:
+    from runtime import cpu_kernels
+
+    if not cpu_kernels.available():
+        raise ImportError("ringllm's CPU kernels are not built here")
+    ops = torch.ops.ringllm_cpu
+    return FusedOps(ops.rms_norm, _in_place_add_norm(ops.add_rms_norm), ops.silu_and_mul, torch_rope,
+                    rope_tables=torch_rope_tables)
+
+
 FUSED_OPS: dict[str, Callable[[], FusedOps]] = {
     "sgl_kernel": _sgl_kernel,
     "flashinfer": _flashinfer,
+    "ringllm_cpu": _ringllm_cpu,
     "torch": lambda: FusedOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope, rope_tables=torch_rope_tables),
 }
 
 
 def select_fused_ops(device: torch.device, dtype: torch.dtype, prefer: str | None = None) -> tuple[str, FusedOps]:
-    """`prefer`, else the first set that loads: sgl-kernel, flashinfer, torch (CPU, fp32 or neither)."""
+    """`prefer`, else the first set that loads: sgl-kernel, flashinfer, torch on CUDA in half precision;
+    ringllm_cpu, torch on CPU in fp32; torch otherwise."""
     if prefer is not None:
         return prefer, FUSED_OPS[prefer]()
-    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
-        return "torch", FUSED_OPS["torch"]()
-    for name, load in FUSED_OPS.items():
+    if device.type == "cuda" and dtype in (torch.bfloat16, torch.float16):
+        candidates = ("sgl_kernel", "flashinfer")
+    elif device.type == "cpu" and dtype == torch.float32:
+        candidates = ("ringllm_cpu",)
+    else:
+        candidates = ()
+    for name in candidates:
         try:
-            return name, load()
+            return name, FUSED_OPS[name]()
         except (ImportError, AttributeError, RuntimeError, OSError):
             continue
-    raise AssertionError("the torch op set always loads")
+    return "torch", FUSED_OPS["torch"]()
 
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:

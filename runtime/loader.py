@@ -39,7 +39,7 @@ def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: t
         _load_safetensors(model, model_dir)
     model.make_rope_cache(device, dtype)
     if device.type == "cpu":
-        log.info("cpu_linears", prepacked=prepack_linears(model, dtype))
+        log.info("cpu_linears", kind=prepack_linears(model, dtype))
     return model.eval()
 
 

@@ -112,3 +112,17 @@ def test_smollm2_parity(smollm2, page_size, mixed_chunk):
     near_ties = compare(smollm2, page_size, mixed_chunk)
     print(f"SmolLM2 page {page_size}: near-ties {near_ties}")
     assert near_ties == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # biases and a tied lm_head; q/k norms
+def test_parity_on_torch_ops_alone(tiny_model, arch, monkeypatch):
+    """The path of machines where ringllm's CPU kernels do not build (runtime.cpu_kernels)."""
+    from runtime import cpu_kernels
+
+    monkeypatch.setenv("RINGLLM_CPU_KERNELS", "0")
+    cpu_kernels.available.cache_clear()
+    try:
+        assert not cpu_kernels.available()  # so the op set is torch's, the linears oneDNN's, decode attention SDPA
+        compare(tiny_model(arch), 16, True)
+    finally:
+        cpu_kernels.available.cache_clear()
