@@ -1,4 +1,4 @@
-"""ringllm's CPU kernels (cpu_kernels.cpp), compiled on first use into torch's extension cache and
+"""ringllm's CPU kernels (cpu_kernels.cpp), compiled on first use into ringllm's cache and
 loaded as torch ops under torch.ops.ringllm_cpu: skinny_linear (runtime.cpu), paged_decode_attention
 (runtime.attention), and rms_norm, add_rms_norm and silu_and_mul (the `ringllm_cpu` op set of
 runtime.layers).
@@ -10,6 +10,7 @@ False and the CPU path runs on torch's ops alone.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from functools import cache
 from pathlib import Path
@@ -23,6 +24,17 @@ SOURCE = Path(__file__).with_name("cpu_kernels.cpp")
 FLAGS = ["-O3", "-mavx2", "-mfma", "-fopenmp", "-DCPU_CAPABILITY_AVX2", "-DCPU_CAPABILITY=AVX2"]
 
 
+def build_directory() -> Path:
+    """A folder per checkout, source, flags and torch: ninja rebuilds whenever its compile command
+    changes, so two of them sharing a folder would take turns rebuilding it."""
+    from runtime.model_source import cache_root
+
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([str(SOURCE), *FLAGS, torch.__version__]).encode()).hexdigest()[:16]
+    folder = cache_root() / "cpu_kernels" / key
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 @cache
 def available() -> bool:
     from runtime.cpu import cpuinfo
@@ -34,8 +46,9 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        # torch's cache rebuilds when the source changes, and a file lock lets one process of many build it
-        load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False)
+        # a file lock in the folder lets one process of many build it; the others wait, then load it
+        load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
+             build_directory=str(build_directory()))
     except Exception as exc:  # no compiler, no ninja, a torch without headers: the torch path still works
         lines = str(exc).splitlines() or [type(exc).__name__]
         log.warning("cpu_kernels_unavailable", error=next((line for line in lines if "error" in line), lines[0])[:300])

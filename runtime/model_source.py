@@ -42,8 +42,12 @@ def load_tokenizer(model_dir: str | Path, required: bool = False):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
+def cache_root() -> Path:
+    return Path(os.environ.get("RINGLLM_CACHE", Path.home() / ".cache" / "ringllm"))
+
+
 def cache_dir() -> Path:
-    return Path(os.environ.get("RINGLLM_CACHE", Path.home() / ".cache" / "ringllm")) / NAME
+    return cache_root() / NAME
 
 
 def default_model_dir() -> Path:
