@@ -1,7 +1,7 @@
 """The CPU decode step with ringllm's kernels (runtime.cpu_kernels) and without, side by side.
 
 Why: on CPU a decode step streams every weight for a few rows and reads every sequence's KV pages;
-the kernels replace oneDNN's GEMM for steps of up to 16 rows and the page gather + SDPA of decode
+the kernels replace oneDNN's GEMM for steps of up to 12 rows and the page gather + SDPA of decode
 attention. Each side runs in its own process (RINGLLM_CPU_KERNELS=1 or 0, so that nothing of one
 lingers in the other), the sides alternating for `--rounds` rounds, on the default model in the
 default dtype. A round generates, for 4 sequences of `--short` and of `--long` prompt tokens

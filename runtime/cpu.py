@@ -5,8 +5,8 @@ A decode step on CPU streams every weight from memory for a handful of rows, and
 re-packs the weight on each call. Prepacked by oneDNN, the same GEMMs ran 1.3-1.5x faster on a
 2-core Sapphire Rapids, in fp32 and in bf16; with AMX, bf16 prefill GEMMs ran 3x faster than fp32
 ones. In fp32 on AVX2, ringllm's own kernel (runtime.cpu_kernels) streams the weights of a step of
-up to 16 rows faster still: a 4-row pass over SmolLM2-135M's layers took 17.2 ms against oneDNN's
-31.8 on a 2-core EPYC.
+up to SKINNY_ROWS rows faster still: a 4-row pass over SmolLM2-135M's layers took 15.4 ms against
+oneDNN's 27.2 on a 2-core EPYC (benchmarks/results/cpu-kernels-session10.txt).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from runtime.layers import linear_slots
 log = structlog.get_logger()
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
-SKINNY_ROWS = 16  # up to here ringllm's kernel beat oneDNN's packed GEMM (4 rows: 1.85x; 24 rows: even)
+SKINNY_ROWS = 12  # ringllm's kernel against oneDNN's packed GEMM over SmolLM2's layers: 1.77x at 4 rows, 1.24x at 8, 0.97x at 16
 BATCH_HINT = 8  # the row count oneDNN tunes the layout for: decode batches; prefill rows lose nothing measurable
 
 
