@@ -8,6 +8,7 @@ once per step on the host, and makes the fixed-buffer wrappers that CUDA graphs 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -188,6 +189,15 @@ class FlashInferAttention:
             self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
             paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
 
+    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> TritonDecode | None:
+        """ringllm's split-KV decode (runtime.decode_attention_kernel) with fixed buffers, for CUDA graphs;
+        None where Triton does not import."""
+        try:
+            from runtime.decode_attention_kernel import decode_attention
+        except ImportError:
+            return None
+        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention)
+
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int):
         """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
         first plan fixes the most rows it takes, and with them its launch grid."""
@@ -200,11 +210,15 @@ class FlashInferAttention:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill."""
         pool = self.pool
         self._planned.synchronize()
+        self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        if isinstance(self.active, TritonDecode):
+            self.active.plan(meta)
+            self._planned.record()
+            return
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
-        self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
         if isinstance(self.active, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
             self.active.plan(kv_indptr, indices, last_page_len, *shape,
                              q_data_type=pool.dtype, kv_data_type=pool.dtype, seq_lens=torch.from_numpy(meta.kv_lens))
@@ -216,6 +230,29 @@ class FlashInferAttention:
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         # every row is written: flashinfer's own prefill output is zero-filled first (11 us a layer at 8k tokens)
         return self.active.run(q, self.pool.kv[layer], out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+
+
+class TritonDecode:
+    """A flashinfer decode wrapper's plan and run, for runtime.decode_attention_kernel. A plan
+    stages the step's page lists and lengths in pinned memory and sends them with one copy into the
+    buffer its graph reads; like flashinfer's plans, the next one waits for that copy (prepare)."""
+
+    def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor]) -> None:
+        self.staged = torch.zeros(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
+        self.buffer = torch.zeros_like(self.staged, device=device)
+        b = batch_size
+        self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
+        self.attend = attend
+
+    def plan(self, meta: AttentionMeta) -> None:
+        b, used = len(self.kv_lens), 2 * len(self.kv_lens) + 1 + len(meta.kv_indices)
+        assert len(meta.kv_lens) == b, "a graph's plan has its batch size"
+        staged = self.staged.numpy()
+        staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
+        self.buffer[:used].copy_(self.staged[:used], non_blocking=True)
+
+    def run(self, q: Tensor, kv: Tensor, out: Tensor) -> Tensor:
+        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out)
 
 
 ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchAttention, "flashinfer": FlashInferAttention}

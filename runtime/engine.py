@@ -117,6 +117,7 @@ class Engine:
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
                  cuda_graphs=self.graphs.sizes if self.graphs else None, tinygemm=few_row_gemms,
+                 decode_attention=self.graphs.attention_kernels if self.graphs else None,
                  prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
                  padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
 

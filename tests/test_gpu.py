@@ -277,3 +277,44 @@ def test_few_row_linears_match_cublas():
     assert sum(isinstance(m, FewRowLinear) for m in model) == sum(linears_of_shape[shape] for shape in chosen), chosen
     for rows, x in inputs.items():
         close(model(x), expected[rows], f"swapped model at {rows} rows")
+
+
+
+@pytest.mark.parametrize("kv_heads", [4, 8, 16])
+@pytest.mark.parametrize("shapes", [[(1, 2000)], [(1, 50), (1, 2000), (1, 1), (1, 17), (1, 300)]])
+def test_triton_decode_attention_matches_torch(shapes, kv_heads):
+    """Sequences of 1 to 2,000 tokens on scattered pages, query heads read from a strided qkv view, into
+    an output poisoned with NaN: every row must be written."""
+    from runtime.decode_attention_kernel import decode_attention
+
+    generator = torch.Generator().manual_seed(kv_heads)
+    batch = paged_batch(shapes, generator)
+    tokens = len(batch.positions)
+    qkv = torch.randn(tokens, HEADS + 2 * kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
+    pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
+    reference = ATTENTION_BACKENDS["torch"](pool, HEADS)
+    reference.prepare(batch.meta)
+    want = reference.forward(0, qkv[:, :HEADS], batch).float()
+    device = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    got = decode_attention(qkv[:, :HEADS], pool.kv[0], device(batch.meta.kv_indptr), device(batch.meta.kv_indices),
+                           device(batch.meta.kv_lens), HEAD_DIM**-0.5, torch.full_like(qkv[:, :HEADS], float("nan")))
+    error = (got.float() - want).norm() / want.norm()
+    print(f"triton decode vs torch attention, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
+    assert error < 1e-2
+
+
+def test_decode_graphs_on_triton_attention_give_the_tokens_of_torch_attention(tmp_path, monkeypatch):
+    """Start-up times both attention kernels at every graph size up to 16 and keeps the faster; here
+    the split-KV kernel is forced at all of them, and greedy tokens must be the torch reference's."""
+    from runtime import cuda_graph
+
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    reference = greedy_run(model_dir, attention_backend="torch")
+    chosen = {}
+    llm = LLM(model_dir, device="cuda", attention_backend="flashinfer", page_size=PAGE, num_pages=512, cuda_graph_max_bs=32)
+    assert sorted(llm.engine.graphs.attention_kernels) == [1, 2, 4, 8, 16], llm.engine.graphs.attention_kernels
+    monkeypatch.setattr(cuda_graph, "fastest", lambda graphs: chosen.setdefault(len(chosen), "triton"))
+    triton = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=32)
+    assert len(chosen) == 5
+    assert_same_greedy_tokens(reference, triton, "triton decode attention in CUDA graphs")

@@ -1,0 +1,96 @@
+"""Split-KV decode attention over the paged pool for a few sequences, as two Triton passes: each
+program attends one KV head's query group to one slice of a sequence's tokens, then one program a
+query head merges the slices by their log-sum-exp.
+
+At batch 1 flashinfer's decode took 11.0 us a layer on the H200 over 1,024 tokens of Qwen3-0.6B
+context, whose K and V (4 MB) stream in about 1 us: one sequence's few KV heads leave most of the
+chip idle. Here a step runs about PROGRAMS programs (sequences x KV heads x splits); a slice's length
+follows its sequence's length on the device, so one launch grid serves every length and a CUDA graph
+of it replays at any context.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PROGRAMS = 512  # the split count aims at this many programs a step: 8 KV heads, 32 splits at batch 1, 8 at 8
+MAX_SPLITS = 32
+BLOCK_T = 32
+
+
+@triton.jit
+def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
+                  scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
+                  GROUP_BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+    seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    GROUP: tl.constexpr = HEADS // KV_HEADS
+    kv_len = tl.load(kv_lens_ptr + seq)
+    span = tl.cdiv(tl.cdiv(kv_len, SPLITS), BLOCK_T) * BLOCK_T
+    start = split * span
+    end = tl.minimum(start + span, kv_len)
+    g = tl.arange(0, GROUP_BLOCK)
+    d = tl.arange(0, DIM)
+    heads = kv_head * GROUP + g
+    live_g = g < GROUP
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride + heads[:, None] * DIM + d[None, :], mask=live_g[:, None], other=0.0)
+    first_page = tl.load(kv_indptr_ptr + seq)
+    m_i = tl.full((GROUP_BLOCK,), float("-inf"), tl.float32)
+    l_i = tl.zeros((GROUP_BLOCK,), tl.float32)
+    acc = tl.zeros((GROUP_BLOCK, DIM), tl.float32)
+    row_stride: tl.constexpr = KV_HEADS * DIM
+    t0 = tl.arange(0, BLOCK_T)
+    for block in range(start, end, BLOCK_T):
+        t = block + t0
+        live_t = t < end
+        page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=live_t, other=0).to(tl.int64)
+        k_row = (page * (2 * PAGE) + t % PAGE) * row_stride + kv_head * DIM
+        k = tl.load(pool_ptr + k_row[:, None] + d[None, :], mask=live_t[:, None], other=0.0)
+        v = tl.load(pool_ptr + k_row[:, None] + PAGE * row_stride + d[None, :], mask=live_t[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * scale
+        s = tl.where(live_t[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+    some = l_i > 0  # a slice past the sequence's end holds nothing: weight zero in the merge
+    out = tl.where(some[:, None], acc / tl.where(some, l_i, 1.0)[:, None], 0.0)
+    lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
+    at = (seq * HEADS + heads) * SPLITS + split
+    tl.store(part_out_ptr + at[:, None] * DIM + d[None, :], out, mask=live_g[:, None])
+    tl.store(part_lse_ptr + at, lse, mask=live_g)
+
+
+@triton.jit
+def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride, HEADS: tl.constexpr, DIM: tl.constexpr,
+                  SPLITS: tl.constexpr):
+    seq, head = tl.program_id(0), tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    d = tl.arange(0, DIM)
+    at = (seq * HEADS + head) * SPLITS + s
+    lse = tl.load(part_lse_ptr + at)
+    weight = tl.exp(lse - tl.max(lse, 0))
+    parts = tl.load(part_out_ptr + at[:, None] * DIM + d[None, :])
+    out = tl.sum(parts * weight[:, None], 0) / tl.sum(weight, 0)
+    tl.store(out_ptr + seq.to(tl.int64) * out_stride + head * DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+def decode_attention(q: torch.Tensor, pool: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+                     kv_lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """Writes and returns `out` [B, heads, dim]. q [B, heads, dim] (rows of any stride, heads contiguous);
+    pool [pages, 2, page size, kv heads, dim]; kv_indptr [B + 1], kv_indices, kv_lens [B] int32 on the device."""
+    batch, heads, dim = q.shape
+    _, _, page, kv_heads, _ = pool.shape
+    assert q.stride(2) == 1 and q.stride(1) == dim and pool.is_contiguous() and out.is_contiguous()
+    splits = max(4, min(MAX_SPLITS, triton.next_power_of_2(PROGRAMS // (batch * kv_heads))))
+    part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
+    part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    _split_kernel[(batch, kv_heads, splits)](
+        q, q.stride(0), pool, kv_indptr, kv_indices, kv_lens, part_out, part_lse, scale, HEADS=heads, KV_HEADS=kv_heads,
+        DIM=dim, PAGE=page, GROUP_BLOCK=max(16, triton.next_power_of_2(heads // kv_heads)), SPLITS=splits,
+        BLOCK_T=BLOCK_T, num_warps=4)
+    _merge_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits, num_warps=4)
+    return out
