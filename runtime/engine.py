@@ -20,7 +20,7 @@ from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, K
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.cpu import default_dtype
 from runtime.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
-from runtime.few_row_gemm import use_few_row_gemms
+from runtime.few_row_gemm import use_few_row_gemms, use_one_row_fusion
 from runtime.loader import build_model
 from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
 from runtime.sampling_params import SamplingParams
@@ -103,11 +103,12 @@ class Engine:
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
         self._unread: deque[PendingStep] = deque()
-        self.graphs, self.prefill_graphs, few_row_gemms = None, None, {}
+        self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
         graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
         if graphs and config.cuda_graph_max_bs:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
+            one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.device)
         if graphs and config.cuda_graph_max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(self.model, self.attention, config.cuda_graph_max_prefill_tokens,
@@ -116,7 +117,8 @@ class Engine:
         self._warm_up()
         log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
                  pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None, tinygemm=few_row_gemms,
+                 cuda_graphs=self.graphs.sizes if self.graphs else None, few_row_kernels=few_row_gemms,
+                 one_row_fused=one_row_fused,
                  decode_attention=self.graphs.attention_kernels if self.graphs else None,
                  prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
                  padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)

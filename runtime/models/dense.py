@@ -3,11 +3,14 @@
 
 q, k and v share one projection and gate and up another, so a layer runs two GEMMs where the
 checkpoint has five matrices; `STACKED` tells the loader where each checkpoint matrix goes. The
-residual stream runs through fused add-and-norm kernels.
+residual stream runs through fused add-and-norm kernels; in one-row steps on CUDA a norm and the
+projection after it may run as one kernel (OneRowFusion).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,11 +38,11 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm, self.ops, self.eps = cfg.qk_norm, ops, cfg.rms_norm_eps
 
-    def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """rope: (positions, the op set's rope tables). The step's K and V reach the pool before attention."""
+    def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
+        """[T, heads · dim] from the step's qkv rows, before o_proj. rope: (positions, the op set's rope
+        tables). The step's K and V reach the pool before attention."""
         positions, rope_tables = rope
-        tokens = x.shape[0]
-        qkv = self.qkv_proj(x)
+        tokens = qkv.shape[0]
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
         if self.ops.rope_kv_write is not None:  # q in place, K and V straight to the pool
             norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
@@ -50,8 +53,7 @@ class Attention(nn.Module):
                 qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
             self.ops.rope(positions, qk, self.heads, rope_tables)
             backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), batch)
-        out = backend.forward(self.layer, qk[:, : self.heads], batch)
-        return self.o_proj(out.reshape(tokens, self.q_size))
+        return backend.forward(self.layer, qk[:, : self.heads], batch).reshape(tokens, self.q_size)
 
 
 class MLP(nn.Module):
@@ -62,8 +64,30 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
         self.ops = ops
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OneRowFusion:
+    """Kernels that run a norm with the projection after it, or SiLU-and-mul with down_proj, as one,
+    in one-row steps; runtime.few_row_gemm sets those that ran faster than the pair."""
+
+    qkv: NormLinear | None = None  # (h, residual, input_layernorm, qkv_proj) -> (qkv, new residual)
+    gate_up: NormLinear | None = None
+    down: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None  # (gate_up, down_proj) -> down
+
+
+NO_FUSION = OneRowFusion()
+
+
+def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
+                     linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(norm(h + residual)) and the new residual (h where there is none yet)."""
+    if residual is None:
+        return linear(norm(h)), h
+    h, residual = norm(h, residual)
+    return linear(h), residual
 
 
 class DecoderLayer(nn.Module):
@@ -73,17 +97,19 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg, ops)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
+        self.one_row = NO_FUSION
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's output, not yet added to `residual` (None before layer 0)."""
-        if residual is None:
-            residual, h = h, self.input_layernorm(h)
-        else:
-            h, residual = self.input_layernorm(h, residual)
-        h = self.self_attn(h, rope, batch, backend)
-        h, residual = self.post_attention_layernorm(h, residual)
-        return self.mlp(h), residual
+        fused = self.one_row if h.shape[0] == 1 else NO_FUSION
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
+        h = attn.o_proj(attn.attend(qkv, rope, batch, backend))
+        gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        if fused.down is not None:
+            return fused.down(gate_up, mlp.down_proj), residual
+        return mlp.down_proj(mlp.ops.silu_and_mul(gate_up)), residual
 
 
 class DenseModel(nn.Module):

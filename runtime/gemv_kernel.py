@@ -1,0 +1,105 @@
+"""One-row linears for decode at batch 1, with the kernel before them folded in: y = x·Wᵀ, where x is
+the row as given, its RMSNorm (after adding the residual), or SiLU(gate)·up of a gate_up row.
+
+A decode step of one sequence is a chain of small kernels: on the H200 a Qwen3-0.6B layer ran ten of
+2-12 us each, and cuBLAS streamed Qwen3-8B's qkv and o projections at 2.6-2.7 TB/s. Here each program
+owns a few output columns and sweeps the whole K, so a projection spreads over thousands of programs
+and every multiprocessor keeps many weight loads in flight; products accumulate elementwise and
+reduce once at the end. The norm costs no extra pass: rstd is a per-row scale, applied to the
+accumulator at the end, and its sum of squares builds up in the same sweep over K.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
+
+
+@triton.jit
+def _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, k, K, write_res, PROLOGUE: tl.constexpr):
+    """This K tile of the GEMV's input row in fp32 (before the norm's scale), and its sum of squares."""
+    if PROLOGUE == 3:  # SILU: gate in the row's first K columns, up in the next K
+        gate = tl.load(x_ptr + k).to(tl.float32)
+        a = gate / (1.0 + tl.exp(-gate)) * tl.load(x_ptr + K + k).to(tl.float32)
+    else:
+        a = tl.load(x_ptr + k).to(tl.float32)
+    if PROLOGUE == 2:  # ADD_NORM: x + residual, which program 0 also stores as the next residual
+        added = (a + tl.load(res_ptr + k).to(tl.float32)).to(new_res_ptr.dtype.element_ty)
+        tl.store(new_res_ptr + k, added, mask=write_res)
+        a = added.to(tl.float32)  # normalised as stored, as Hugging Face's layers add in the model's dtype
+    squares = tl.sum(a * a, 0)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        a = a * tl.load(norm_ptr + k).to(tl.float32)
+    return a, squares
+
+
+@triton.jit
+def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, eps, K, PROLOGUE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    pid = tl.program_id(0)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    w_tile = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        w = tl.load(w_tile + start)
+        a, sq = _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, start + k, K, pid == 0, PROLOGUE)
+        squares += sq
+        acc += w.to(tl.float32) * a[None, :]
+    y = tl.sum(acc, 1)
+    if PROLOGUE == 1 or PROLOGUE == 2:
+        y *= tl.rsqrt(squares / K + eps)
+    if HAS_BIAS:
+        y += tl.load(bias_ptr + n).to(tl.float32)
+    tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty))
+
+
+TILES = ((4, 1024), (8, 256), (8, 512), (2, 1024))  # (columns a program, K tile): the best of 57 configurations
+# on each Qwen3-0.6B and Qwen3-8B decode shape measured on the H200 was one of these, or within 0.1 us of one
+# (benchmarks/results/h200-probe-session12.log); start-up times them per shape
+
+
+def tiles(n: int, k: int) -> list[tuple[int, int]]:
+    """The TILES a weight [n, k] takes, each K tile halved until it divides k."""
+    found = []
+    for block_n, block_k in TILES:
+        while k % block_k:
+            block_k //= 2
+        if n % block_n == 0 and block_k >= 16 and (block_n, block_k) not in found:
+            found.append((block_n, block_k))
+    return found
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int], *, prologue: int = PLAIN,
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
+         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(y [1, N], the new residual [1, K] for ADD_NORM else None). x [1, K] ([1, 2K] for SILU), contiguous;
+    weight [N, K] contiguous; tile one of `tiles(N, K)`; residual [1, K] for ADD_NORM; norm_weight [K] for
+    NORM and ADD_NORM."""
+    (n, k), (block_n, block_k) = weight.shape, tile
+    assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
+    out = x.new_empty(1, n)
+    new_residual = x.new_empty(1, k) if prologue == ADD_NORM else None
+    _gemv_kernel[(n // block_n,)](
+        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
+        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out, eps,
+        k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+    return out, new_residual
+
+
+def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module, linear: torch.nn.Module,
+                tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(RMSNorm(h + residual)) and the new residual (h where there was none), in one kernel.
+    norm: an RMSNorm module (weight, eps); linear: anything with weight and bias."""
+    if residual is None:
+        return gemv(h, linear.weight, linear.bias, tile, prologue=NORM, norm_weight=norm.weight, eps=norm.eps)[0], h
+    return gemv(h, linear.weight, linear.bias, tile, prologue=ADD_NORM, residual=residual, norm_weight=norm.weight, eps=norm.eps)
+
+
+def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, tile: tuple[int, int]) -> torch.Tensor:
+    """linear(SiLU(gate) · up) of a gate_up row [1, 2K], in one kernel."""
+    return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU)[0]
