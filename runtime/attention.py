@@ -208,13 +208,16 @@ class FlashInferAttention:
 
     def prepare(self, meta: AttentionMeta, wrapper=None) -> None:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill."""
-        pool = self.pool
         self._planned.synchronize()
         self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
         if isinstance(self.active, TritonDecode):
             self.active.plan(meta)
-            self._planned.record()
-            return
+        else:
+            self._plan_flashinfer(meta)
+        self._planned.record()
+
+    def _plan_flashinfer(self, meta: AttentionMeta) -> None:
+        pool = self.pool
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
@@ -225,7 +228,6 @@ class FlashInferAttention:
         else:
             self.active.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True,
                              q_data_type=pool.dtype, kv_data_type=pool.dtype)
-        self._planned.record()
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         # every row is written: flashinfer's own prefill output is zero-filled first (11 us a layer at 8k tokens)

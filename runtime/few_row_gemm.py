@@ -31,7 +31,7 @@ from runtime.models.dense import DecoderLayer, OneRowFusion
 
 log = structlog.get_logger()
 
-Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]  # (x, weight, bias) -> x·weightᵀ + bias
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, weight, bias) -> x·weightᵀ + bias
 
 MAX_ROWS = 16  # one or two of tinygemm's 8-row tiles; past that it lost on every shape measured
 MAX_K = 4096  # tinygemm hung on Qwen3-8B's down_proj (K = 12288) with flashinfer 0.6.6: larger K is never tried
@@ -62,13 +62,15 @@ def _gemv_kernels(device: torch.device, dtype: torch.dtype):
 
 
 def _candidates(weight: torch.Tensor, rows: int, tinygemm: Callable | None, gemv_kernel) -> dict[str, Kernel]:
-    """The kernels that may run x·weightᵀ at `rows` rows. Each takes a bias (zeros where the linear has none)."""
+    """The kernels that may run x·weightᵀ (+ bias) at `rows` rows, for any weight of this one's shape."""
     n, k = weight.shape
-    kernels: dict[str, Kernel] = {"cublas": lambda x, w, b: F.linear(x, w, b)}
+    kernels: dict[str, Kernel] = {"cublas": F.linear}
     if tinygemm is not None and k <= MAX_K and k % 64 == 0 and n % 16 == 0:  # tinygemm's tiling needs K % 64 and N % 16
-        def run_tinygemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        zero_bias = weight.new_zeros(n)  # tinygemm always adds one; made here, outside any graph capture
+
+        def run_tinygemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
             out = x.new_empty(x.shape[0], w.shape[0])
-            tinygemm(x.contiguous(), w, out, b)
+            tinygemm(x.contiguous(), w, out, zero_bias if b is None else b)
             return out
 
         kernels["tinygemm"] = run_tinygemm
@@ -84,14 +86,9 @@ class FewRowLinear(nn.Module):
         super().__init__()
         self.weight, self.bias = linear.weight, linear.bias
         self.kernels = kernels
-        if linear.bias is None:  # tinygemm always adds a bias
-            self.register_buffer("zero_bias", linear.weight.new_zeros(linear.out_features), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        kernel = self.kernels.get(x.shape[0])
-        if kernel is None:
-            return F.linear(x, self.weight, self.bias)
-        return kernel(x, self.weight, self.bias if self.bias is not None else self.zero_bias)
+        return self.kernels.get(x.shape[0], F.linear)(x, self.weight, self.bias)
 
 
 def _graph(calls: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -109,20 +106,21 @@ def _winner(times: dict[str, float], baseline: str) -> str:
 
 
 def _fastest_kernels(linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable | None,
-                     gemv_kernel) -> dict[int, str]:
-    """Row count -> the kernel (not cuBLAS) that ran these linears (one weight shape) fastest there."""
+                     gemv_kernel) -> dict[int, tuple[str, Kernel]]:
+    """Row count -> the kernel (not cuBLAS), by name, that ran these linears (one weight shape, each with
+    its own bias or none) fastest there."""
     weight = linears[0].weight
-    bias = weight.new_zeros(weight.shape[0])
     won = {}
     for rows in row_counts:
         kernels = _candidates(weight, rows, tinygemm, gemv_kernel)
         if len(kernels) == 1:
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        graphs = {name: _graph(lambda run=run: [run(x, linear.weight, bias) for linear in linears]) for name, run in kernels.items()}
+        graphs = {name: _graph(lambda run=run: [run(x, linear.weight, linear.bias) for linear in linears])
+                  for name, run in kernels.items()}
         name = _winner(cuda_graph.best_times(graphs), "cublas")
         if name != "cublas":
-            won[rows] = name
+            won[rows] = (name, kernels[name])
     return won
 
 
@@ -144,10 +142,10 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
             log.warning("few_row_kernel_unusable", shape=f"{n}x{k}", error=str(exc)[:200])
             continue
         if won:
+            kernels = {rows: kernel for rows, (_, kernel) in won.items()}
             for parent, name, linear in members:
-                rows_kernels = {rows: _candidates(linear.weight, rows, tinygemm, gemv_kernel)[kernel] for rows, kernel in won.items()}
-                setattr(parent, name, FewRowLinear(linear, rows_kernels))
-            chosen[f"{n}x{k}"] = won
+                setattr(parent, name, FewRowLinear(linear, kernels))
+            chosen[f"{n}x{k}"] = {rows: kernel_name for rows, (kernel_name, _) in won.items()}
     return chosen
 
 
@@ -166,31 +164,29 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
 
     Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
 
-    def norm_pair(norm: Callable[[DecoderLayer], nn.Module], linear: Callable[[DecoderLayer], nn.Module]) -> Ways:
-        x, r = h.clone(), residual.clone()  # the pair's norm adds and normalises in place
-
-        def pair() -> None:
-            for layer in layers:
-                linear(layer)(norm(layer)(x, r)[0])
-
-        ways = {"pair": (pair, None)}
+    def ways(pair: Callable[[DecoderLayer], object], kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
+             fused_call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+        """The pair as it stands, and the fused kernel at each tile of the linear's shape."""
+        found: Ways = {"pair": (lambda: [pair(layer) for layer in layers], None)}
         for tile in gemv_kernel.tiles(*linear(first).weight.shape):
-            fused = functools.partial(gemv_kernel.norm_linear, tile=tile)
-            ways["fused{}x{}".format(*tile)] = (lambda fused=fused: [fused(h, residual, norm(layer), linear(layer)) for layer in layers], fused)
-        return ways
+            fused = functools.partial(kernel, tile=tile)
+            found["fused{}x{}".format(*tile)] = (lambda fused=fused: [fused_call(fused, layer) for layer in layers], fused)
+        return found
 
-    down: Ways = {"pair": (lambda: [layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)) for layer in layers], None)}
-    for tile in gemv_kernel.tiles(*first.mlp.down_proj.weight.shape):
-        fused = functools.partial(gemv_kernel.silu_linear, tile=tile)
-        down["fused{}x{}".format(*tile)] = (lambda fused=fused: [fused(gate_up, layer.mlp.down_proj) for layer in layers], fused)
+    def norm_ways(norm: Callable[[DecoderLayer], nn.Module], linear: Callable[[DecoderLayer], nn.Module]) -> Ways:
+        x, r = h.clone(), residual.clone()  # the pair's norm adds and normalises in place
+        return ways(lambda layer: linear(layer)(norm(layer)(x, r)[0]), gemv_kernel.norm_linear, linear,
+                    lambda fused, layer: fused(h, residual, norm(layer), linear(layer)))
+
     pairs = {
-        "qkv": norm_pair(lambda layer: layer.input_layernorm, lambda layer: layer.self_attn.qkv_proj),
-        "gate_up": norm_pair(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),
-        "down": down,
+        "qkv": norm_ways(lambda layer: layer.input_layernorm, lambda layer: layer.self_attn.qkv_proj),
+        "gate_up": norm_ways(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),
+        "down": ways(lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)), gemv_kernel.silu_linear,
+                     lambda layer: layer.mlp.down_proj, lambda fused, layer: fused(gate_up, layer.mlp.down_proj)),
     }
     try:
-        chosen = {name: _winner(cuda_graph.best_times({way: _graph(run) for way, (run, _) in ways.items()}), "pair")
-                  for name, ways in pairs.items()}
+        chosen = {name: _winner(cuda_graph.best_times({way: _graph(run) for way, (run, _) in candidates.items()}), "pair")
+                  for name, candidates in pairs.items()}
     except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
         log.warning("one_row_fusion_unusable", error=str(exc)[:200])
         return {}

@@ -3,8 +3,9 @@
 Sampling is a Gumbel-max over the (filtered) logits: token = argmax(logit / T + g), g a Gumbel draw
 per (request seed, position, vocabulary id) from a counter-based hash. No row depends on another
 or on a shared random stream, so a request draws the same noise alone, inside any batch, and
-after a replay (and so the same tokens, given the same logits). On CUDA one Triton kernel hashes, adds and reduces a row in a single pass;
-elsewhere the same hash runs in torch. Results stay on the device until the engine reads them.
+after a replay (and so the same tokens, given the same logits). On CUDA one Triton kernel hashes,
+adds and reduces a row in a single pass; elsewhere the same hash runs in torch. Results stay on the
+device until the engine reads them.
 """
 
 from __future__ import annotations
