@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime import pdl
+
 PROGRAMS = 512  # the split count aims at this many programs a step: 8 KV heads, 32 splits at batch 1, 8 at 8
 MAX_SPLITS = 32
 BLOCK_T = 32
@@ -23,7 +25,8 @@ BLOCK_T = 32
 @triton.jit
 def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
                   scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
-                  GROUP_BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr):
+                  GROUP_BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, LINE: tl.constexpr,
+                  PDL: tl.constexpr):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = HEADS // KV_HEADS
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -34,13 +37,22 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
     d = tl.arange(0, DIM)
     heads = kv_head * GROUP + g
     live_g = g < GROUP
-    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride + heads[:, None] * DIM + d[None, :], mask=live_g[:, None], other=0.0)
     first_page = tl.load(kv_indptr_ptr + seq)
+    row_stride: tl.constexpr = KV_HEADS * DIM
+    t0 = tl.arange(0, BLOCK_T)
+    if PDL:  # the page list comes from the host, the slice's first K and V rows from earlier steps: they can
+        # head for L2 now (the first block only, so that long contexts do not overflow it)
+        t = start + t0
+        page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=t < end, other=0).to(tl.int64)
+        k_lines = (page * (2 * PAGE) + t % PAGE) * row_stride + kv_head * DIM
+        k_lines = pool_ptr + k_lines[:, None] + tl.arange(0, DIM // LINE)[None, :] * LINE
+        pdl.prefetch_l2(k_lines)
+        pdl.prefetch_l2(k_lines + PAGE * row_stride)
+    pdl.wait_for_previous_kernel(PDL, True)  # q, and the step's own K and V, come from the kernel before
+    q = tl.load(q_ptr + seq.to(tl.int64) * q_stride + heads[:, None] * DIM + d[None, :], mask=live_g[:, None], other=0.0)
     m_i = tl.full((GROUP_BLOCK,), float("-inf"), tl.float32)
     l_i = tl.zeros((GROUP_BLOCK,), tl.float32)
     acc = tl.zeros((GROUP_BLOCK, DIM), tl.float32)
-    row_stride: tl.constexpr = KV_HEADS * DIM
-    t0 = tl.arange(0, BLOCK_T)
     for block in range(start, end, BLOCK_T):
         t = block + t0
         live_t = t < end
@@ -66,7 +78,8 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
 
 @triton.jit
 def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride, HEADS: tl.constexpr, DIM: tl.constexpr,
-                  SPLITS: tl.constexpr):
+                  SPLITS: tl.constexpr, PDL: tl.constexpr):
+    pdl.wait_for_previous_kernel(PDL, True)
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, SPLITS)
     d = tl.arange(0, DIM)
@@ -88,9 +101,11 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, kv_indptr: torch.Tenso
     splits = max(4, min(MAX_SPLITS, triton.next_power_of_2(PROGRAMS // (batch * kv_heads))))
     part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
+    with_pdl = pdl.enabled(q.device.index)
     _split_kernel[(batch, kv_heads, splits)](
         q, q.stride(0), pool, kv_indptr, kv_indices, kv_lens, part_out, part_lse, scale, HEADS=heads, KV_HEADS=kv_heads,
         DIM=dim, PAGE=page, GROUP_BLOCK=max(16, triton.next_power_of_2(heads // kv_heads)), SPLITS=splits,
-        BLOCK_T=BLOCK_T, num_warps=4)
-    _merge_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits, num_warps=4)
+        BLOCK_T=BLOCK_T, LINE=min(dim, 128 // pool.element_size()), PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)
+    _merge_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits,
+                                  PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)
     return out

@@ -6,7 +6,8 @@ A decode step of one sequence is a chain of small kernels: on the H200 a Qwen3-0
 owns a few output columns and sweeps the whole K, so a projection spreads over thousands of programs
 and every multiprocessor keeps many weight loads in flight; products accumulate elementwise and
 reduce once at the end. The norm costs no extra pass: rstd is a per-row scale, applied to the
-accumulator at the end, and its sum of squares builds up in the same sweep over K.
+accumulator at the end, and its sum of squares builds up in the same sweep over K. On Hopper it
+launches with PDL (runtime.pdl), so it starts while the kernel before it drains.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from runtime import pdl
 
 PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
@@ -38,11 +41,16 @@ def _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, k, K, write_res, PROLOGUE
 
 @triton.jit
 def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, eps, K, PROLOGUE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
+                 PDL: tl.constexpr, SHORT: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    w_tile = w_ptr + n[:, None].to(tl.int64) * K + k[None, :]
+    w_rows = w_ptr + n[:, None].to(tl.int64) * K
+    if PDL and SHORT:  # while the kernel before finishes, the first weight tile heads for L2
+        pdl.prefetch_l2(w_rows + tl.arange(0, BLOCK_K // LINE)[None, :] * LINE)
+    pdl.wait_for_previous_kernel(PDL, SHORT)
+    w_tile = w_rows + k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
@@ -83,11 +91,14 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     (n, k), (block_n, block_k) = weight.shape, tile
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
     out = x.new_empty(1, n)
+    with_pdl = pdl.enabled(x.device.index)
     new_residual = x.new_empty(1, k) if prologue == ADD_NORM else None
     _gemv_kernel[(n // block_n,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out, eps,
-        k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=3)
+        k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        LINE=min(block_k, 128 // weight.element_size()), PDL=with_pdl, SHORT=with_pdl and pdl.fits_half_l2(weight),
+        num_warps=4, num_stages=3, launch_pdl=with_pdl)
     return out, new_residual
 
 

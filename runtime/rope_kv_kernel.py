@@ -17,6 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
+from runtime import pdl
+
 
 @triton.jit
 def _normed_rotated(at, half_cols, live, cos, sin, norm_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
@@ -60,7 +62,9 @@ def _write_kv(row, cols, cos, sin, norm_ptr, eps, k_dst, v_dst, HEADS: tl.conste
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, rows_ptr, rows_token_stride,
                     rows_part_stride, pool_ptr, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr):
+                    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr,
+                    PDL: tl.constexpr):
+    pdl.wait_for_previous_kernel(PDL, True)
     token, part = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, HALF_BLOCK)
     angle = cos_sin_ptr + tl.load(pos_ptr + token) * (2 * HALF) + cols
@@ -86,9 +90,9 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     if tokens == 0:
         return
     assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and pool_rows.shape[1] == kv_heads * dim
-    norm = q_norm is not None
+    norm, with_pdl = q_norm is not None, pdl.enabled(qkv.device.index)
     _rope_kv_kernel[(tokens, 2)](
         qkv, qkv.stride(0), positions, cos_sin, q_norm if norm else cos_sin, k_norm if norm else cos_sin, rows,
         rows.stride(0), rows.stride(1), pool_rows, eps, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         Q_BLOCK=triton.next_power_of_2(heads), KV_BLOCK=triton.next_power_of_2(kv_heads),
-        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4)
+        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)

@@ -339,6 +339,34 @@ def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatc
     assert_same_greedy_tokens(reference, alone("flashinfer"), "one-row GEMV and fusions")
 
 
+def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkeypatch):
+    """With the one-row kernels, every fusion and the split-KV attention forced, a batch-1 decode graph
+    chains Triton kernels launched with PDL, each started before the one ahead of it ends. A kernel
+    that touched another's data before its wait would race: 64 tokens of three requests, alone, must
+    come out bit for bit as without PDL."""
+    from runtime import cuda_graph, few_row_gemm, pdl
+
+    if not pdl.enabled(torch.cuda.current_device()):
+        pytest.skip("PDL needs compute capability 9 or later")
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    generator = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 70, 300)]
+    params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=3)
+    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline: next(
+        (way for way in times if way.startswith(("gemv", "fused"))), baseline))
+    monkeypatch.setattr(cuda_graph, "fastest", lambda graphs: "triton")
+
+    def alone() -> list[tuple[list[int], list[dict[int, float]]]]:
+        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=PAGE,
+                  num_pages=512, cuda_graph_max_bs=16)
+        assert llm.engine.graphs.attention_kernels[1] == "triton", llm.engine.graphs.attention_kernels
+        return [(o.token_ids, o.logprobs) for p in prompts for o in llm.generate([p], params)]
+
+    with_pdl = alone()
+    monkeypatch.setattr(pdl, "enabled", lambda device_index: False)
+    assert alone() == with_pdl
+
+
 @pytest.mark.parametrize("kv_heads", [4, 8, 16])
 @pytest.mark.parametrize("shapes", [[(1, 2000)], [(1, 50), (1, 2000), (1, 1), (1, 17), (1, 300)]])
 def test_triton_decode_attention_matches_torch(shapes, kv_heads):
