@@ -23,6 +23,14 @@ BLOCK_T = 32
 
 
 @triton.jit
+def _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
+            DIM: tl.constexpr):
+    """Element offsets in the pool of tokens `t`'s K rows for this KV head; their V rows are PAGE rows on."""
+    page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=live_t, other=0).to(tl.int64)
+    return (page * (2 * PAGE) + t % PAGE) * (KV_HEADS * DIM) + kv_head * DIM
+
+
+@triton.jit
 def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
                   scale, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr, PAGE: tl.constexpr,
                   GROUP_BLOCK: tl.constexpr, SPLITS: tl.constexpr, BLOCK_T: tl.constexpr, LINE: tl.constexpr,
@@ -38,16 +46,15 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
     heads = kv_head * GROUP + g
     live_g = g < GROUP
     first_page = tl.load(kv_indptr_ptr + seq)
-    row_stride: tl.constexpr = KV_HEADS * DIM
+    v_offset: tl.constexpr = PAGE * KV_HEADS * DIM
     t0 = tl.arange(0, BLOCK_T)
     if PDL:  # the page list comes from the host, the slice's first K and V rows from earlier steps: they can
         # head for L2 now (the first block only, so that long contexts do not overflow it)
         t = start + t0
-        page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=t < end, other=0).to(tl.int64)
-        k_lines = (page * (2 * PAGE) + t % PAGE) * row_stride + kv_head * DIM
+        k_lines = _k_rows(kv_indices_ptr, first_page, t, t < end, kv_head, PAGE, KV_HEADS, DIM)
         k_lines = pool_ptr + k_lines[:, None] + tl.arange(0, DIM // LINE)[None, :] * LINE
         pdl.prefetch_l2(k_lines)
-        pdl.prefetch_l2(k_lines + PAGE * row_stride)
+        pdl.prefetch_l2(k_lines + v_offset)
     pdl.wait_for_previous_kernel(PDL, True)  # q, and the step's own K and V, come from the kernel before
     q = tl.load(q_ptr + seq.to(tl.int64) * q_stride + heads[:, None] * DIM + d[None, :], mask=live_g[:, None], other=0.0)
     m_i = tl.full((GROUP_BLOCK,), float("-inf"), tl.float32)
@@ -56,10 +63,9 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
     for block in range(start, end, BLOCK_T):
         t = block + t0
         live_t = t < end
-        page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=live_t, other=0).to(tl.int64)
-        k_row = (page * (2 * PAGE) + t % PAGE) * row_stride + kv_head * DIM
+        k_row = _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE, KV_HEADS, DIM)
         k = tl.load(pool_ptr + k_row[:, None] + d[None, :], mask=live_t[:, None], other=0.0)
-        v = tl.load(pool_ptr + k_row[:, None] + PAGE * row_stride + d[None, :], mask=live_t[:, None], other=0.0)
+        v = tl.load(pool_ptr + k_row[:, None] + v_offset + d[None, :], mask=live_t[:, None], other=0.0)
         s = tl.dot(q, tl.trans(k)) * scale
         s = tl.where(live_t[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -101,11 +107,10 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, kv_indptr: torch.Tenso
     splits = max(4, min(MAX_SPLITS, triton.next_power_of_2(PROGRAMS // (batch * kv_heads))))
     part_out = torch.empty(batch, heads, splits, dim, dtype=torch.float32, device=q.device)
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
-    with_pdl = pdl.enabled(q.device.index)
     _split_kernel[(batch, kv_heads, splits)](
         q, q.stride(0), pool, kv_indptr, kv_indices, kv_lens, part_out, part_lse, scale, HEADS=heads, KV_HEADS=kv_heads,
         DIM=dim, PAGE=page, GROUP_BLOCK=max(16, triton.next_power_of_2(heads // kv_heads)), SPLITS=splits,
-        BLOCK_T=BLOCK_T, LINE=min(dim, 128 // pool.element_size()), PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)
+        BLOCK_T=BLOCK_T, LINE=min(dim, 128 // pool.element_size()), num_warps=4, **pdl.launch(q.device))
     _merge_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits,
-                                  PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)
+                                  num_warps=4, **pdl.launch(q.device))
     return out

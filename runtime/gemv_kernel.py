@@ -91,14 +91,13 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile:
     (n, k), (block_n, block_k) = weight.shape, tile
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
     out = x.new_empty(1, n)
-    with_pdl = pdl.enabled(x.device.index)
     new_residual = x.new_empty(1, k) if prologue == ADD_NORM else None
     _gemv_kernel[(n // block_n,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
         new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out, eps,
         k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
-        LINE=min(block_k, 128 // weight.element_size()), PDL=with_pdl, SHORT=with_pdl and pdl.fits_half_l2(weight),
-        num_warps=4, num_stages=3, launch_pdl=with_pdl)
+        LINE=min(block_k, 128 // weight.element_size()), SHORT=pdl.fits_half_l2(weight), num_warps=4, num_stages=3,
+        **pdl.launch(x.device))
     return out, new_residual
 
 

@@ -25,6 +25,13 @@ def enabled(device_index: int) -> bool:
     return os.environ.get("RINGLLM_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+def launch(device: torch.device) -> dict[str, bool]:
+    """A ringllm kernel's launch options: its PDL constexpr (whether it waits) and Triton's launch_pdl,
+    always equal, since a kernel launched with PDL that did not wait would race."""
+    on = enabled(device.index)
+    return {"PDL": on, "launch_pdl": on}
+
+
 @functools.cache
 def l2_bytes(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).L2_cache_size

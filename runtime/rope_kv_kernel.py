@@ -90,9 +90,9 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     if tokens == 0:
         return
     assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and pool_rows.shape[1] == kv_heads * dim
-    norm, with_pdl = q_norm is not None, pdl.enabled(qkv.device.index)
+    norm = q_norm is not None
     _rope_kv_kernel[(tokens, 2)](
         qkv, qkv.stride(0), positions, cos_sin, q_norm if norm else cos_sin, k_norm if norm else cos_sin, rows,
         rows.stride(0), rows.stride(1), pool_rows, eps, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         Q_BLOCK=triton.next_power_of_2(heads), KV_BLOCK=triton.next_power_of_2(kv_heads),
-        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, PDL=with_pdl, num_warps=4, launch_pdl=with_pdl)
+        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4, **pdl.launch(qkv.device))
