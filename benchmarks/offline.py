@@ -2,8 +2,8 @@
 
 The workload is mini-sglang's offline bench, so figures compare with its published ones: 256
 requests, input and output lengths uniform in [100, 1024] (seed 0), token ids below 10,000,
-temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens.
-Throughput is output tokens over wall time.
+temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens, run
+SINGLE_REPEATS times, its figure the median. Throughput is output tokens over wall time.
 
 By default the requests go through the whole serving pipeline: a `ringllm serve` with
 --dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
@@ -20,6 +20,7 @@ import argparse
 import asyncio
 import datetime
 import importlib
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -31,6 +32,8 @@ from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
+SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three such windows, each from a server of its
+# own, gave 991, 1,110 and 1,074 tok/s (Qwen3-0.6B through the pipeline, benchmarks/results/h200-probe-session14.log)
 
 
 def workload(count: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024),
@@ -59,7 +62,7 @@ def engine_options(args: argparse.Namespace) -> dict:
             "mem_fraction": args.mem_fraction, "mixed_chunk": args.enable_mixed_chunk}
 
 
-def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
+def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, list[float]]:
     import torch
 
     from runtime import LLM, SamplingParams
@@ -78,13 +81,14 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
     warm = prompts[:WARMUP]
     timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
-    figures = {"offline": timed(prompts, params)}
+    figures = {"offline": [timed(prompts, params)]}
     if args.single:
-        figures["single"] = timed(prompts[:1], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
+        figures["single"] = [timed(prompts[:1], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
+                             for _ in range(SINGLE_REPEATS)]
     return figures
 
 
-async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: bool) -> dict[str, float]:
+async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: bool) -> dict[str, list[float]]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
@@ -113,13 +117,13 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
 
         warm = [body(p, 32, 0.6, i) for i, p in enumerate(prompts[:WARMUP])]
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
-        figures = {"offline": await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])}
+        figures = {"offline": [await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])]}
         if single:
-            figures["single"] = await timed([body(prompts[0], 512, 0.0, 0)])
+            figures["single"] = [await timed([body(prompts[0], 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
         return figures
 
 
-def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, float]:
+def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, list[float]]:
     port = free_port()
     options = engine_options(args)
     server = start_server(["--model", str(args.model), "--served-model-name", "bench", "--dummy-weights", "--port", str(port),
@@ -158,9 +162,10 @@ def main(argv: list[str] | None = None) -> None:
     mode = "in-process" if args.in_process else "pipeline"
     figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
-    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(value, 1),
+    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(statistics.median(values), 1),
+             **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}),
              "command": command, "date": datetime.date.today().isoformat(), **engine_options(args),
-             "gpu": _device_name(args.device), "versions": versions()} for name, value in figures.items()]
+             "gpu": _device_name(args.device), "versions": versions()} for name, values in figures.items()]
     for run in runs:
         print(f"{run['model']} {mode} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")
     previous = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []

@@ -151,7 +151,7 @@ def test_segments_carry_the_server_prefix_and_close_unlinks(server):
 def test_spin_adapts_to_the_core_count(monkeypatch):
     monkeypatch.delenv("RINGLLM_SPIN_US", raising=False)
     assert spin_budget_ns(1) == 0  # on one core a spinning waiter only delays its peer
-    assert 0 < spin_budget_ns(2) < spin_budget_ns(4) <= spin_budget_ns(64)
+    assert 0 < spin_budget_ns(2) == spin_budget_ns(64)  # longer spins on many cores slowed the engine's host work
 
 
 async def test_tasks_sharing_a_writer_all_get_through_a_full_ring(make_ring):

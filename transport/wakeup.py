@@ -21,12 +21,17 @@ from multiprocessing.reduction import DupFd
 FIRST_NAP_S = 0.001
 
 
+SPIN_US = 50  # on a 16-core H200 host, waiters that spun 200 us slowed the engine actor's host work (its launch
+# took 0.55-0.69 ms a step, 0.33 in process) and one Qwen3-0.6B request streamed 922-1,110 tok/s through the pipeline;
+# at 50 us, 1,112 three times (benchmarks/results/h200-probe-session14.log)
+
+
 def spin_budget_ns(cores: int | None = None) -> int:
-    """Spinning only pays when the peer can run meanwhile: none on one core, more with more cores."""
+    """Spinning only pays when the peer can run meanwhile: none on one core, SPIN_US with more."""
     if (override := os.environ.get("RINGLLM_SPIN_US")) is not None:
         return int(float(override) * 1000)
     cores = cores if cores is not None else len(os.sched_getaffinity(0))
-    return 0 if cores < 2 else min(200, 50 * (cores - 1)) * 1000
+    return 0 if cores < 2 else SPIN_US * 1000
 
 
 SPIN_NS = spin_budget_ns()
