@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -77,15 +77,27 @@ class KVPool:
         self.rows(layer)[batch.kv_rows] = kv.flatten(2)
 
 
+class Rope(NamedTuple):
+    """What a backend that `rotates` needs to norm and rotate q and the new K itself: the inputs of
+    runtime.rope_kv_kernel, whose pass it then replaces."""
+
+    cos_sin: Tensor  # [max position, dim] fp32, cos halves then sin halves
+    q_norm: Tensor | None  # [dim], or None for a model without q/k norms
+    k_norm: Tensor | None
+    eps: float
+
+
 class AttentionBackend(Protocol):
     pool: KVPool
+    rotates: bool  # whether this step's forward takes the raw qkv and a Rope, and writes the new K and V itself
 
     def prepare(self, meta: AttentionMeta) -> None:
         """Per-step planning shared by every layer."""
         ...
 
-    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-        """q: [T, heads, dim], the step's new K and V already in the pool. Returns [T, heads, dim]."""
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
+        """q: [T, heads, dim], the step's new K and V already in the pool; or, with `rope` (where
+        `rotates`), the raw qkv [T, heads + 2 kv heads, dim]. Returns [T, heads, dim]."""
         ...
 
 
@@ -95,6 +107,8 @@ class TorchAttention:
     otherwise. Whole pages, not token rows: on CPU, copying 16-row blocks took a seventh of the time
     of a per-row gather, which had cost more than the attention itself. In fp32 on CPU, where
     ringllm's kernels build, a decode-only step reads K and V where they lie instead."""
+
+    rotates = False
 
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         self.pool = pool
@@ -229,9 +243,17 @@ class FlashInferAttention:
             self.active.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True,
                              q_data_type=pool.dtype, kv_data_type=pool.dtype)
 
-    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+    @property
+    def rotates(self) -> bool:
+        """ringllm's split-KV decode norms and rotates q and writes the new K and V in its own pass."""
+        return isinstance(self.active, TritonDecode)
+
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
         # every row is written: flashinfer's own prefill output is zero-filled first (11 us a layer at 8k tokens)
-        return self.active.run(q, self.pool.kv[layer], out=torch.empty(q.shape, dtype=q.dtype, device=q.device))
+        out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
+        if rope is not None:
+            return self.active.run(q, self.pool.kv[layer], out=out, rope=rope)
+        return self.active.run(q, self.pool.kv[layer], out=out)
 
 
 class TritonDecode:
@@ -253,8 +275,8 @@ class TritonDecode:
         staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
         self.buffer[:used].copy_(self.staged[:used], non_blocking=True)
 
-    def run(self, q: Tensor, kv: Tensor, out: Tensor) -> Tensor:
-        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out)
+    def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None) -> Tensor:
+        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope)
 
 
 ATTENTION_BACKENDS: dict[str, type] = {"torch": TorchAttention, "flashinfer": FlashInferAttention}

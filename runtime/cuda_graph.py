@@ -104,9 +104,10 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 class DecodeGraphs:
     """A decode step pads to the next captured batch size up, or to one at most twice as large whose
     graph replayed faster at start-up (cuBLAS picks poor kernels for some one-row GEMMs: Qwen3-0.6B's
-    whole decode step ran faster padded to 8 rows than at 1 on the H200). Each replay copies the step's
-    rows in with one host-to-device copy and gathers the token ids from the engine's last sampled
-    tokens on the device.
+    whole decode step ran faster padded to 8 rows than at 1 on the H200). Each replay sends the step's
+    positions, KV rows and slots in one copy from pinned memory, and the graph gathers its token ids
+    from the engine's last sampled tokens itself. (On the H200, a Qwen3-8B step of one sequence had
+    spent 63 us outside its graph, in ten small copies and kernels with the chip idle between them.)
 
     Sizes up to TRITON_DECODE_MAX_BS are captured twice, attention by flashinfer and by ringllm's
     split-KV kernel (runtime.decode_attention_kernel), and keep the graph that replayed faster over
@@ -116,14 +117,22 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def __init__(self, model: nn.Module, attention, max_batch_size: int, max_pages_per_seq: int, scratch_page: int,
-                 device: torch.device) -> None:
+                 last_tokens: torch.Tensor) -> None:
         self.sizes = capture_sizes(max_batch_size)
         self.attention, self.scratch_page = attention, scratch_page
         self.page_size = attention.pool.page_size
-        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=last_tokens.device)
         self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
-        self.rows = torch.zeros(3, max_batch_size, dtype=torch.int64, device=device)  # positions, K rows, V rows
-        self.rows[1:].copy_(torch.from_numpy(self.scratch_rows)[:, None])
+        self.staged = torch.zeros(4, max_batch_size, dtype=torch.int64, pin_memory=True)  # positions, K rows, V rows, slots
+        self.staged[1:3] = torch.from_numpy(self.scratch_rows)[:, None]
+        self.rows = self.staged.to(last_tokens.device)
+        self._sent = torch.cuda.Event()  # the last copy out of `staged`, which the next must not overwrite before it ran
+        self._sent.record()
+
+        def forward(bs: int, batch: ForwardBatch) -> torch.Tensor:
+            torch.index_select(last_tokens, 0, self.rows[3, :bs], out=self.input_ids[:bs])
+            return model.logits(model(batch, attention))
+
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.wrappers: dict[int, object] = {}
         self.logits: dict[int, torch.Tensor] = {}
@@ -139,7 +148,7 @@ class DecodeGraphs:
             captured = {}
             for name, wrapper in wrappers.items():
                 attention.prepare(batch.meta, wrapper)
-                graph, logits = capture(lambda: model.logits(model(batch, attention)), self.pool)
+                graph, logits = capture(lambda: forward(bs, batch), self.pool)
                 self.pool = graph.pool()
                 captured[name] = (graph, logits, wrapper)
             name = "flashinfer"
@@ -159,21 +168,23 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.sizes[-1]
 
-    def replay(self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray, decode_slots: torch.Tensor,
-               last_tokens: torch.Tensor) -> torch.Tensor:
-        """Logits [n, vocab] of a decode-only step of n sequences."""
+    def replay(self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray,
+               slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [n, vocab] of a decode-only step of n sequences, and their slots on the device."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
-        rows = np.zeros((3, bs), dtype=np.int64)
-        rows[1:, n:] = self.scratch_rows[:, None]
-        rows[0, :n], rows[1:, :n] = positions, rows_kv.T
-        self.rows[:, :bs].copy_(torch.from_numpy(rows), non_blocking=True)
-        torch.index_select(last_tokens, 0, decode_slots, out=self.input_ids[:n])
+        self._sent.synchronize()  # long since done: it went before the step in flight
+        staged = self.staged.numpy()
+        staged[:, n:bs] = 0
+        staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
+        staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, slots
+        self.rows.copy_(self.staged, non_blocking=True)  # whole: a slice of its columns would be staged again, pageable
+        self._sent.record()
         if bs > n:
             meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
         self.attention.prepare(meta, self.wrappers[bs])
         self.graphs[bs].replay()
-        return self.logits[bs][:n]
+        return self.logits[bs][:n], self.rows[3, :n]
 
 
 PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 1536, 2048, 3072)

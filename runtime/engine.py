@@ -109,7 +109,8 @@ class Engine:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
             one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
-            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.device)
+            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page,
+                                       self.last_tokens)
         if graphs and config.cuda_graph_max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(self.model, self.attention, config.cuda_graph_max_prefill_tokens,
                                                 self.max_pages_per_seq, self.scratch_page, self.device,
@@ -195,8 +196,9 @@ class Engine:
             self._read_all()
         decodes = np.array(plan.decodes, dtype=np.int64)
 
-        if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):
-            logits = self.graphs.replay(meta, positions, kv_dest, self._to_device(decodes), self.last_tokens)
+        sample_slots_on_device = None
+        if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):  # every row samples
+            logits, sample_slots_on_device = self.graphs.replay(meta, positions, kv_dest, decodes)
         else:
             # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
             # alignment and strides at every step, so no step compiles a new variant of it (the
@@ -221,7 +223,9 @@ class Engine:
         drawn = sample(logits, rows)
         for state in states:
             state.sampled += 1
-        self.last_tokens[self._to_device(sample_slots)] = drawn.tokens
+        if sample_slots_on_device is None:
+            sample_slots_on_device = self._to_device(sample_slots)
+        self.last_tokens[sample_slots_on_device] = drawn.tokens
         return self._pending(states, sample_slots.tolist(), rows, drawn)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

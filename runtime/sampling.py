@@ -94,10 +94,12 @@ def _gumbel_argmax_kernel():
 _KERNEL = _gumbel_argmax_kernel() if torch.cuda.is_available() else None
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0."""
+def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None) -> torch.Tensor:
+    """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0 or without temperatures."""
     if scores.is_cuda and _KERNEL is not None:
         return _KERNEL(scores, temperatures, keys)
+    if temperatures is None:
+        return scores.argmax(dim=-1)
     return _torch_gumbel_argmax(scores, temperatures, keys)
 
 
@@ -149,7 +151,7 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:
         for i in filtered:
             temperatures[i] = 1.0
     if not any(temperatures):
-        tokens = logits.argmax(dim=-1)
+        tokens = gumbel_argmax(logits, None, None)
     else:
         keys = torch.from_numpy(row_keys([row.seed for row in rows], [row.position for row in rows])).to(device, non_blocking=True)
         tokens = gumbel_argmax(logits, torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True), keys)

@@ -134,14 +134,17 @@ def test_seeded_sampling_is_batch_invariant_on_cuda(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 64])
 def test_triton_draw_equals_its_torch_twin(rows, dtype):
-    """The kernel reads the logits in the model's dtype; the twin widens them first."""
+    """The kernel reads the logits in the model's dtype; the twin widens them first. Each draw, noisy or
+    greedy, twice: the second finds the row counts the first reset."""
     from runtime.sampling import _torch_gumbel_argmax, gumbel_argmax, row_keys
 
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(rows, 151_936, generator=generator) * 3).to("cuda", dtype)
     temperatures = torch.tensor([0.6, 0.0, 1.0, 1.7] * 16, device="cuda")[:rows]
     keys = torch.from_numpy(row_keys(list(range(rows)), list(range(100, 100 + rows)))).cuda()
-    assert torch.equal(gumbel_argmax(logits, temperatures, keys), _torch_gumbel_argmax(logits.float(), temperatures, keys))
+    for _ in range(2):
+        assert torch.equal(gumbel_argmax(logits, temperatures, keys), _torch_gumbel_argmax(logits.float(), temperatures, keys))
+        assert torch.equal(gumbel_argmax(logits, None, None), logits.float().argmax(dim=-1))
 
 
 @pytest.mark.parametrize("name", ["sgl_kernel", "flashinfer"])
@@ -389,6 +392,44 @@ def test_triton_decode_attention_matches_torch(shapes, kv_heads):
     error = (got.float() - want).norm() / want.norm()
     print(f"triton decode vs torch attention, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
     assert error < 1e-2
+
+
+@pytest.mark.parametrize("heads, kv_heads, norms", [(16, 8, True), (32, 8, True), (32, 8, False)])
+def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
+    """Given the raw qkv rows, the split-KV kernel norms and rotates q and writes each sequence's new K
+    and V itself: the same output and pool as runtime.rope_kv_kernel's pass and then the plain kernel,
+    and the qkv rows left as they were."""
+    from runtime.attention import Rope
+    from runtime.config import RopeConfig
+    from runtime.decode_attention_kernel import decode_attention
+    from runtime.layers import rope_cos_sin_cache
+    from runtime.rope_kv_kernel import rope_kv_write
+
+    generator = torch.Generator().manual_seed(heads + kv_heads + norms)
+    batch = paged_batch([(1, 2000), (1, 50), (1, 1), (1, 17), (1, 300)], generator)
+    tokens = len(batch.positions)
+    qkv = torch.randn(tokens, heads + 2 * kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
+    cache = rope_cos_sin_cache(4096, HEAD_DIM, RopeConfig(theta=1e6)).cuda()
+    q_norm, k_norm = (torch.rand(2, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16) + 0.5) if norms else (None, None)
+    pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
+    device = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
+    lists = (device(batch.meta.kv_indptr), device(batch.meta.kv_indices), device(batch.meta.kv_lens))
+    untouched, two_pass_pool = qkv.clone(), pool.kv[0].clone()
+
+    rotated = qkv.clone()
+    rope_kv_write(rotated.view(tokens, -1), batch.positions, cache, q_norm, k_norm, 1e-6,
+                  two_pass_pool.view(-1, kv_heads * HEAD_DIM), batch.kv_rows, heads, kv_heads)
+    want = decode_attention(rotated[:, :heads], two_pass_pool, *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]))
+    got = decode_attention(qkv, pool.kv[0], *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]),
+                           Rope(cache, q_norm, k_norm, 1e-6))
+    close(got, want, "output")
+    rows, (got_rows, want_rows) = batch.kv_rows.flatten(), (kv.view(-1, kv_heads * HEAD_DIM) for kv in (pool.kv[0], two_pass_pool))
+    close(got_rows[rows], want_rows[rows], "the new K and V")
+    others = torch.ones(len(got_rows), dtype=torch.bool, device="cuda")
+    others[rows] = False
+    assert torch.equal(got_rows[others], want_rows[others])
+    assert torch.equal(qkv, untouched)
 
 
 def test_decode_graphs_on_triton_attention_give_the_tokens_of_torch_attention(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.attention import AttentionBackend, ForwardBatch
+from runtime.attention import AttentionBackend, ForwardBatch, Rope
 from runtime.config import ModelConfig
 from runtime.layers import FusedOps, RMSNorm, rope_cos_sin_cache
 
@@ -44,8 +44,11 @@ class Attention(nn.Module):
         positions, rope_tables = rope
         tokens = qkv.shape[0]
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
+        norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
+        if self.ops.rope_kv_write is not None and backend.rotates:  # decode attention does the rope pass's work itself
+            return backend.forward(self.layer, qkv.view(tokens, -1, self.head_dim), batch,
+                                   Rope(rope_tables, *norms, self.eps)).reshape(tokens, self.q_size)
         if self.ops.rope_kv_write is not None:  # q in place, K and V straight to the pool
-            norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
             self.ops.rope_kv_write(qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer),
                                    batch.kv_rows, self.heads, self.kv_heads)
         else:
