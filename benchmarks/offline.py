@@ -2,8 +2,9 @@
 
 The workload is mini-sglang's offline bench, so figures compare with its published ones: 256
 requests, input and output lengths uniform in [100, 1024] (seed 0), token ids below 10,000,
-temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens, run
-SINGLE_REPEATS times, its figure the median. Throughput is output tokens over wall time.
+temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens after
+a prompt of SINGLE_PROMPT ids, run SINGLE_REPEATS times, its figure the median. Throughput is output
+tokens over wall time.
 
 By default the requests go through the whole serving pipeline: a `ringllm serve` with
 --dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
@@ -20,27 +21,33 @@ import argparse
 import asyncio
 import datetime
 import importlib
+import random
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import orjson
 
 from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
+MINI_SGLANG_VOCAB = 151_643  # Qwen3's tokenizer.vocab_size, the range of mini-sglang's prompt draws
+SINGLE_PROMPT = 886  # ids of the --single request's prompt (the first prompt's first): the length of all earlier figures
 SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three such windows, each from a server of its
 # own, gave 991, 1,110 and 1,074 tok/s (Qwen3-0.6B through the pipeline, benchmarks/results/h200-probe-session14.log)
 
 
 def workload(count: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024),
              seed: int = 0) -> tuple[list[list[int]], list[int]]:
-    rng = np.random.default_rng(seed)
-    inputs, outputs = rng.integers(input_len[0], input_len[1] + 1, count), rng.integers(output_len[0], output_len[1] + 1, count)
-    return [rng.integers(0, 10_000, n).tolist() for n in inputs], outputs.tolist()
+    """mini-sglang's own sample, so its published figures and these run the same requests: its
+    benchmark/offline/bench.py draws from Python's random (seed 0) each prompt's length and then its
+    ids over Qwen3's vocabulary, then every output length. The ids are folded below 10,000 after
+    the draw, which keeps the stream, and so the lengths, mini-sglang's."""
+    rng = random.Random(seed)
+    prompts = [[rng.randint(0, MINI_SGLANG_VOCAB - 1) % 10_000 for _ in range(rng.randint(*input_len))] for _ in range(count)]
+    return prompts, [rng.randint(*output_len) for _ in range(count)]
 
 
 def versions() -> dict[str, str]:
@@ -83,7 +90,7 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
     figures = {"offline": [timed(prompts, params)]}
     if args.single:
-        figures["single"] = [timed(prompts[:1], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
+        figures["single"] = [timed([prompts[0][:SINGLE_PROMPT]], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
                              for _ in range(SINGLE_REPEATS)]
     return figures
 
@@ -119,7 +126,7 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
         figures = {"offline": [await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])]}
         if single:
-            figures["single"] = [await timed([body(prompts[0], 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
+            figures["single"] = [await timed([body(prompts[0][:SINGLE_PROMPT], 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
         return figures
 
 
@@ -160,10 +167,12 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts, lengths = workload(args.requests, tuple(args.input_len), tuple(args.output_len))
     mode = "in-process" if args.in_process else "pipeline"
+    sizes = {"offline": {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)},  # tell samples apart
+             "single": {"prompt_tokens": len(prompts[0][:SINGLE_PROMPT]), "output_tokens": 512}}
     figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
     runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(statistics.median(values), 1),
-             **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}),
+             **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}), **sizes[name],
              "command": command, "date": datetime.date.today().isoformat(), **engine_options(args),
              "gpu": _device_name(args.device), "versions": versions()} for name, values in figures.items()]
     for run in runs:

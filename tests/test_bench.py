@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import orjson
 
+from benchmarks.offline import workload
 from tests.conftest import ringllm
 
 SMALL = ("--requests", "6", "--input-len", "5", "40", "--output-len", "4", "12", "--device", "cpu")
@@ -19,3 +20,14 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_pat
     for run in runs:
         assert run["tok_per_s"] > 0 and run["command"].startswith("ringllm bench offline")
         assert {"model", "date", "versions"} <= set(run)
+    prompts, lengths = workload(6, (5, 40), (4, 12))
+    assert {(r["prompt_tokens"], r["output_tokens"]) for r in runs} == {(sum(map(len, prompts)), sum(lengths))}
+
+
+def test_offline_workload_is_mini_sglangs_sample():
+    """mini-sglang's benchmark/offline/bench.py, replayed with Qwen3's vocabulary size of 151,643 (Python's
+    random, seed 0), asks for 148,643 output tokens over 140,756 prompt tokens; so must this workload,
+    or its figures do not compare with mini-sglang's."""
+    prompts, lengths = workload(256)
+    assert (len(prompts), sum(lengths), sum(map(len, prompts))) == (256, 148_643, 140_756)
+    assert all(100 <= len(p) <= 1024 and max(p) < 10_000 for p in prompts)
