@@ -69,7 +69,8 @@ def engine_options(args: argparse.Namespace) -> dict:
             "mem_fraction": args.mem_fraction, "mixed_chunk": args.enable_mixed_chunk}
 
 
-def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, list[float]]:
+def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int],
+                   single: list[int] | None) -> dict[str, list[float]]:
     import torch
 
     from runtime import LLM, SamplingParams
@@ -89,13 +90,14 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
     timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
     figures = {"offline": [timed(prompts, params)]}
-    if args.single:
-        figures["single"] = [timed([prompts[0][:SINGLE_PROMPT]], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
+    if single:
+        figures["single"] = [timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
                              for _ in range(SINGLE_REPEATS)]
     return figures
 
 
-async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: bool) -> dict[str, list[float]]:
+async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int],
+                 single: list[int] | None) -> dict[str, list[float]]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
@@ -126,11 +128,12 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
         figures = {"offline": [await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])]}
         if single:
-            figures["single"] = [await timed([body(prompts[0][:SINGLE_PROMPT], 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
+            figures["single"] = [await timed([body(single, 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
         return figures
 
 
-def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int]) -> dict[str, list[float]]:
+def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int],
+                 single: list[int] | None) -> dict[str, list[float]]:
     port = free_port()
     options = engine_options(args)
     server = start_server(["--model", str(args.model), "--served-model-name", "bench", "--dummy-weights", "--port", str(port),
@@ -138,7 +141,7 @@ def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: li
                            *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "mixed_chunk"),
                            *(["--enable-mixed-chunk"] if options["mixed_chunk"] else [])])
     try:
-        return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, args.single))
+        return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, single))
     finally:
         stop_server(server)
 
@@ -167,9 +170,11 @@ def main(argv: list[str] | None = None) -> None:
 
     prompts, lengths = workload(args.requests, tuple(args.input_len), tuple(args.output_len))
     mode = "in-process" if args.in_process else "pipeline"
-    sizes = {"offline": {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)},  # tell samples apart
-             "single": {"prompt_tokens": len(prompts[0][:SINGLE_PROMPT]), "output_tokens": 512}}
-    figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths)
+    single = prompts[0][:SINGLE_PROMPT] if args.single else None
+    sizes = {"offline": {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)}}  # tell samples apart
+    if single:
+        sizes["single"] = {"prompt_tokens": len(single), "output_tokens": 512}
+    figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
     runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(statistics.median(values), 1),
              **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}), **sizes[name],
