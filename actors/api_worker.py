@@ -26,12 +26,14 @@ from actors.control import ActorState
 from actors.kinds import Kind, make_rid
 from actors.pipeline import LIVE_GAUGE
 from api.app import Overloaded, build_app
+from api.protocol import ApiError
 from runtime.config import ModelConfig
 from transport.codec import unpack
 
 log = structlog.get_logger()
 SCHEDULER_GAUGES = ("used_pages", "total_pages", "running", "waiting", "cached_pages")
 PING_S = 1.0  # a ping goes through the pipeline this often
+FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
 HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
 
 
@@ -56,6 +58,7 @@ class ApiWorker(Actor):
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
         self.slot["gauges"][LIVE_GAUGE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0
+        self._flushes: dict[int, asyncio.Future[int]] = {}  # rid -> the flush's evicted page count, once back
         self._replaying: asyncio.Task | None = None
         self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
         await self.runner.setup()
@@ -94,6 +97,10 @@ class ApiWorker(Actor):
                 _, frame = await self.next_frame()
                 if frame.kind == Kind.PING:
                     self.last_pong = time.monotonic()
+                    continue
+                if frame.kind == Kind.FLUSH_CACHE:
+                    if (flushed := self._flushes.pop(frame.rid, None)) is not None and not flushed.done():
+                        flushed.set_result(unpack(frame)[0]["pages"])
                     continue
                 for delta in unpack(frame)[0]["deltas"]:
                     self._deliver(delta)
@@ -150,6 +157,18 @@ class ApiWorker(Actor):
         if rid in self.live:
             self._forget(rid)
             await self.send("tokenizer", Kind.ABORT, rid, {})
+
+    async def flush_cache(self) -> int:
+        rid = make_rid(self.worker, next(self._counter))
+        self._flushes[rid] = flushed = asyncio.get_running_loop().create_future()
+        try:
+            await self.send("tokenizer", Kind.FLUSH_CACHE, rid, {})
+            return await asyncio.wait_for(flushed, FLUSH_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError("the prefix cache flush was lost in a restart of the pipeline; flush again", 503,
+                           kind="server_error") from None
+        finally:
+            self._flushes.pop(rid, None)
 
     def healthy(self) -> bool:
         ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining

@@ -54,8 +54,8 @@ class DetokenizerActor(Actor):
         while True:
             _, frame = await self.next_frame()
             meta, arrays = unpack(frame)
-            if frame.kind == Kind.PING:
-                await self.send(f"api{worker_of(frame.rid)}", Kind.PING, frame.rid, {}, epoch=frame.epoch)
+            if frame.kind in (Kind.PING, Kind.FLUSH_CACHE):
+                await self.send(f"api{worker_of(frame.rid)}", frame.kind, frame.rid, meta, epoch=frame.epoch)
                 continue
             if frame.kind == Kind.ERROR:
                 self.streams.pop(frame.rid, None)

@@ -1,7 +1,7 @@
 """The engine actor: executes step plans in order and answers with the sampled tokens.
 
-It keeps the device one step ahead: a plan that arrives while the previous step still runs is
-queued behind it at once, and a step's results are sent as soon as the device has them. While
+It keeps the device busy: a plan that arrives while earlier steps still run is queued
+behind them at once, and a step's results are sent as soon as the device has them. While
 steps are in flight it stamps when it last made progress (PROGRESS_GAUGE); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
 
@@ -27,7 +27,6 @@ from actors.pipeline import POOL_GAUGE
 from actors.topology import PROGRESS_GAUGE
 from runtime.engine import Engine, PendingStep
 from runtime.metrics import metrics
-from runtime.scheduler import MAX_IN_FLIGHT
 from runtime.step import plan_from_wire, results_to_wire
 from transport.codec import unpack
 
@@ -54,6 +53,7 @@ class EngineActor(Actor):
         self.engine = Engine(Path(serve.model_dir), config)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[InFlight] = deque()
+        self.depth = config.steps_in_flight
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration
         self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
@@ -78,7 +78,7 @@ class EngineActor(Actor):
                 pending = self.engine.launch(plan)
                 self.in_flight.append(InFlight(plan.step, pending, launched, time.monotonic() - launched,
                                                sum(len(c.token_ids) for c in plan.chunks), len(plan.decodes)))
-                if len(self.in_flight) < MAX_IN_FLIGHT and not self.in_flight[0].pending.ready():
+                if len(self.in_flight) < self.depth and not self.in_flight[0].pending.ready():
                     continue  # room for one more while the device works; on CPU, launch has done the work
             elif not self.in_flight[0].pending.ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again

@@ -13,6 +13,7 @@ class Kind(IntEnum):
     TOKENS = 7  # scheduler → detokenizer: new tokens and finishes, one frame per step
     DELTAS = 8  # detokenizer → api worker: text deltas, one frame per step
     PING = 9  # api worker → tokenizer → scheduler → engine → scheduler → detokenizer → api worker
+    FLUSH_CACHE = 10  # api worker → tokenizer → scheduler (evicts the prefix cache) → detokenizer → api worker
 
 
 def worker_of(rid: int) -> int:

@@ -1,7 +1,7 @@
-"""The scheduler actor: runtime.Scheduler over rings, with up to two steps in flight.
+"""The scheduler actor: runtime.Scheduler over rings.
 
-It plans step i+1 while the engine runs step i (the engine feeds decodes their own last sampled
-token), then turns each step's results into one TOKENS frame for the detokenizer. It logs each
+It plans ahead of the results, EngineConfig.steps_in_flight steps (the engine feeds decodes their own
+last sampled token), then turns each step's results into one TOKENS frame for the detokenizer. It logs each
 request's queued, scheduled, prefill_done and finished events, keeps the batch's metrics, and
 every STATS_INTERVAL_S logs one stats line (at debug level while idle).
 """
@@ -22,7 +22,7 @@ from actors.pipeline import POOL_GAUGE
 from runtime.config import ModelConfig
 from runtime.metrics import metrics
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
+from runtime.scheduler import Request, Scheduler
 from runtime.step import StepPlan, plan_to_wire, results_from_wire
 from transport.codec import unpack
 from transport.ring import Frame
@@ -88,7 +88,7 @@ class SchedulerActor(Actor):
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
             epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
-            plan = self.core.schedule() if len(self.in_flight) < MAX_IN_FLIGHT else None
+            plan = self.core.schedule() if len(self.in_flight) < self.engine_config.steps_in_flight else None
             if ended := self.core.take_ended():
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
@@ -117,6 +117,8 @@ class SchedulerActor(Actor):
                      waiting=len(self.core.waiting))
         elif frame.kind == Kind.PING:
             await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
+        elif frame.kind == Kind.FLUSH_CACHE:
+            await self.send("detokenizer", Kind.FLUSH_CACHE, frame.rid, {"pages": self.core.flush_cache()})
         elif frame.kind == Kind.ABORT:
             self.timelines.pop(frame.rid, None)
             if (request := self.core.abort(frame.rid)) is not None:

@@ -41,7 +41,7 @@ class TokenizerActor(Actor):
             submissions: dict[int, tuple] = {}
             for _, frame in batch:
                 meta, arrays = unpack(frame)
-                if frame.kind in (Kind.ABORT, Kind.PING):
+                if frame.kind in (Kind.ABORT, Kind.PING, Kind.FLUSH_CACHE):
                     if frame.kind == Kind.ABORT:
                         submissions.pop(frame.rid, None)  # submitted and aborted in one batch: never forward it
                     await self.send("scheduler", frame.kind, frame.rid, {}, epoch=frame.epoch)

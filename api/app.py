@@ -44,6 +44,10 @@ class Gateway(Protocol):
 
     async def abort(self, rid: int) -> None: ...
 
+    async def flush_cache(self) -> int:
+        """Evict every prefix-cache page that no request holds; returns how many."""
+        ...
+
     def healthy(self) -> bool: ...
 
     def server_info(self) -> dict: ...
@@ -300,6 +304,10 @@ class Handlers:
     async def server_info(self, request: web.Request) -> web.Response:
         return _json(self.gateway.server_info())
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's admin route: benchmarks run the same prompts again on a cold cache."""
+        return _json({"flushed_pages": await self.gateway.flush_cache()})
+
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
@@ -317,5 +325,6 @@ def build_app(gateway: Gateway) -> web.Application:
         web.get("/version", h.version),
         web.get("/server_info", h.server_info),
         web.get("/metrics", h.metrics),
+        web.post("/flush_cache", h.flush_cache),
     ])
     return app

@@ -2,9 +2,10 @@
 
 The workload is mini-sglang's offline bench, so figures compare with its published ones: 256
 requests, input and output lengths uniform in [100, 1024] (seed 0), token ids below 10,000,
-temperature 0.6, ignore_eos, after a warm-up. `--single` adds one request of 512 greedy tokens after
-a prompt of SINGLE_PROMPT ids, run SINGLE_REPEATS times, its figure the median. Throughput is output
-tokens over wall time.
+temperature 0.6, ignore_eos, after a warm-up. The workload runs OFFLINE_ROUNDS times, each on an
+empty prefix cache, its figure the best, as mini-sglang's reference figures were taken. `--single`
+adds one request of 512 greedy tokens after a prompt of SINGLE_PROMPT ids, run SINGLE_REPEATS times,
+its figure the median. Throughput is output tokens over wall time.
 
 By default the requests go through the whole serving pipeline: a `ringllm serve` with
 --dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
@@ -33,6 +34,7 @@ from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
+OFFLINE_ROUNDS = 2  # mini-sglang's figures are the best of two timed runs (shared/gpu/README.md)
 MINI_SGLANG_VOCAB = 151_643  # Qwen3's tokenizer.vocab_size, the range of mini-sglang's prompt draws
 SINGLE_PROMPT = 886  # ids of the --single request's prompt (the first prompt's first): the length of all earlier figures
 SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three such windows, each from a server of its
@@ -89,7 +91,10 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
     warm = prompts[:WARMUP]
     timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
-    figures = {"offline": [timed(prompts, params)]}
+    figures = {"offline": []}
+    for _ in range(OFFLINE_ROUNDS):
+        llm.flush_cache()
+        figures["offline"].append(timed(prompts, params))
     if single:
         figures["single"] = [timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
                              for _ in range(SINGLE_REPEATS)]
@@ -126,7 +131,11 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int],
 
         warm = [body(p, 32, 0.6, i) for i, p in enumerate(prompts[:WARMUP])]
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
-        figures = {"offline": [await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))])]}
+        figures = {"offline": []}
+        for _ in range(OFFLINE_ROUNDS):
+            async with http.post("/flush_cache") as reply:
+                reply.raise_for_status()
+            figures["offline"].append(await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))]))
         if single:
             figures["single"] = [await timed([body(single, 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
         return figures
@@ -176,7 +185,8 @@ def main(argv: list[str] | None = None) -> None:
         sizes["single"] = {"prompt_tokens": len(single), "output_tokens": 512}
     figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
-    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(statistics.median(values), 1),
+    figure = {"offline": max, "single": statistics.median}
+    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(figure[name](values), 1),
              **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}), **sizes[name],
              "command": command, "date": datetime.date.today().isoformat(), **engine_options(args),
              "gpu": _device_name(args.device), "versions": versions()} for name, values in figures.items()]

@@ -175,8 +175,8 @@ class FlashInferAttention:
 
     A wrapper's plan stages its work partition in pinned memory and copies it on the stream. With
     a step in flight, the next plan could overwrite that staging area before the copy ran, so each
-    plan first waits for the copy of the one before (by then long done: the engine runs at most
-    one step ahead)."""
+    plan first waits for the copy of the one before, which is queued behind the step before that:
+    with three steps in flight, the wait ends as the oldest of them does."""
 
     def __init__(self, pool: KVPool, num_heads: int) -> None:
         import flashinfer  # optional: present on CUDA machines only

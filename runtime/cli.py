@@ -59,7 +59,7 @@ def serve(args: argparse.Namespace) -> int:
             mixed_chunk=args.enable_mixed_chunk, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
             attention_backend=args.attention_backend or ("flashinfer" if cuda else "torch"),
             mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
+            cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens, steps_in_flight=args.steps_in_flight,
         )
     except ValueError as exc:  # before any process starts
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
@@ -144,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--cuda-graph-max-bs", type=int, default=256, help="CUDA: largest decode batch replayed as a graph; 0: off")
     s.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=3072,
                    help="CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off")
+    s.add_argument("--steps-in-flight", type=int,
+                   help="steps planned ahead of their results (default: 3 on CUDA, 2 on CPU; 1: no overlap)")
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
     s.add_argument("--max-queued-requests", type=int, default=1024, help="beyond running + queued, new requests get a 503")
     s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")

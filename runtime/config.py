@@ -80,6 +80,16 @@ class ModelConfig:
 DEFAULT_KV_TOKENS = 16384
 
 
+def steps_in_flight_for(device: str) -> int:
+    """A CUDA launch returns before its step runs. With two steps in flight, one step's results had
+    to reach the scheduler and its next plan the engine (three process hops and a launch) within
+    one device step, which Qwen3-0.6B's 0.89 ms decode step on the H200 often did not leave: one
+    request decoded at 784-1,109 tok/s through the pipeline, and at 1,101-1,111 with three in flight
+    (benchmarks/results/h200-probe-session18.log). On CPU the launch computes the step, so a third
+    would only queue a new prefill one step later."""
+    return 3 if device.startswith("cuda") else 2
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -98,11 +108,14 @@ class EngineConfig:
     dummy_weights: bool = False
     attention_backend: str = "torch"
     seed: int = 0  # seeds the per-request seeds of requests that bring none
+    steps_in_flight: int | None = None  # steps planned ahead of their results; None: by device (steps_in_flight_for)
 
     def __post_init__(self) -> None:
         """Sizes that could never run: a chunk budget of 0 would hold every prompt forever."""
+        if self.steps_in_flight is None:
+            object.__setattr__(self, "steps_in_flight", steps_in_flight_for(self.device))
         at_least = {"page_size": 1, "max_prefill_tokens": 1, "max_running_requests": 1, "num_pages": 1,
-                    "cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0}
+                    "cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0, "steps_in_flight": 1}
         for name, least in at_least.items():
             value = getattr(self, name)
             if value is not None and value < least:

@@ -173,7 +173,7 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode-only step of n sequences, and their slots on the device."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
-        self._sent.synchronize()  # long since done: it went before the step in flight
+        self._sent.synchronize()  # the last step's copy, queued behind the step before it (three in flight: the oldest)
         staged = self.staged.numpy()
         staged[:, n:bs] = 0
         staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page

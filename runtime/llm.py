@@ -17,7 +17,7 @@ from runtime.config import EngineConfig
 from runtime.engine import Engine, PendingStep
 from runtime.model_source import load_tokenizer, resolve_model_dir
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import MAX_IN_FLIGHT, Request, Scheduler
+from runtime.scheduler import Request, Scheduler
 
 
 @dataclass(frozen=True)
@@ -48,12 +48,13 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
-        in_flight: deque[tuple[int, PendingStep]] = deque()  # plan step i+1 while step i runs
+        in_flight: deque[tuple[int, PendingStep]] = deque()  # plan later steps while earlier ones run
+        depth = self.config.steps_in_flight
         while self.scheduler.has_work() or in_flight:
-            plan = self.scheduler.schedule() if len(in_flight) < MAX_IN_FLIGHT else None
+            plan = self.scheduler.schedule() if len(in_flight) < depth else None
             if plan:
                 in_flight.append((plan.step, self.engine.launch(plan)))
-            if in_flight and (len(in_flight) == MAX_IN_FLIGHT or not plan):
+            if in_flight and (len(in_flight) == depth or not plan):
                 step, pending = in_flight.popleft()
                 self.scheduler.update(step, pending.result())
         return [self._output(r) for r in requests]

@@ -13,8 +13,6 @@ from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampling_params import SamplingParams
 from runtime.step import Chunk, NewSlot, Sampled, StepPlan
 
-MAX_IN_FLIGHT = 2  # steps planned ahead of their results: step i+1 is planned while step i runs
-
 
 @dataclass
 class Request:

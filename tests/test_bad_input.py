@@ -148,7 +148,7 @@ CASES: list[Case] = [
     Case("body-over-8-MiB-chat", CHAT, raw(OVER_8_MIB), 413), Case("body-over-8-MiB-completions", COMPLETIONS, raw(OVER_8_MIB), 413),
     Case("GET-chat", CHAT, status=405, method="GET"), Case("GET-completions", COMPLETIONS, status=405, method="GET"),
     Case("PUT-chat", CHAT, chat(), 405, method="PUT"), Case("POST-models", "/v1/models", status=405),
-    Case("DELETE-health", "/health", status=405, method="DELETE"),
+    Case("DELETE-health", "/health", status=405, method="DELETE"), Case("GET-flush_cache", "/flush_cache", status=405, method="GET"),
     Case("POST-unknown-route", "/v1/chat/complete", chat(), 404), Case("GET-unknown-route", "/v2/models", status=404, method="GET"),
 ]
 

@@ -19,6 +19,7 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_pat
     assert [(r["mode"], r["workload"]) for r in runs] == [("pipeline", "offline"), ("in-process", "offline")]
     for run in runs:
         assert run["tok_per_s"] > 0 and run["command"].startswith("ringllm bench offline")
+        assert len(run["timed_runs"]) == 2 and run["tok_per_s"] == max(run["timed_runs"])  # each on a flushed cache
         assert {"model", "date", "versions"} <= set(run)
     prompts, lengths = workload(6, (5, 40), (4, 12))
     assert {(r["prompt_tokens"], r["output_tokens"]) for r in runs} == {(sum(map(len, prompts)), sum(lengths))}

@@ -59,6 +59,21 @@ def test_preemption_recomputes_and_gives_identical_output(tiny_model):
     assert all_pages_free(tight)
 
 
+def test_planning_further_ahead_changes_no_token(tiny_model):
+    """CUDA plans two steps ahead of the results and CPU one: every depth must give the same tokens
+    through stops mid-flight, penalties, a shared prefix and preemption in a pool that is too small."""
+    prompts = random_prompts(10, range(20, 70), seed=11, prefix=list(range(40)))
+    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, stop_token_ids=[i * 37 % 512],
+                             repetition_penalty=1.1 if i % 3 == 0 else 1.0) for i in range(len(prompts))]
+    runs = {}
+    for depth in (1, 2, 3):
+        llm = LLM(tiny_model("llama"), dtype="float32", page_size=16, num_pages=20, steps_in_flight=depth)
+        runs[depth] = [(o.token_ids, o.finish_reason) for o in llm.generate(prompts, params)]
+        assert llm.scheduler.preemptions > 0 and all_pages_free(llm)
+    assert runs[1] == runs[2] == runs[3]
+    assert {reason for _, reason in runs[1]} == {"stop", "length"}
+
+
 def test_seeded_request_samples_the_same_alone_and_in_a_batch_of_16(tiny_model):
     llm = LLM(tiny_model("qwen3"), dtype="float32", page_size=16)
     seeded = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, ignore_eos=True,
@@ -224,7 +239,8 @@ def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(token
 
 
 @pytest.mark.parametrize("field, value", [("max_prefill_tokens", 0), ("page_size", 0), ("max_running_requests", -1),
-                                          ("num_pages", 0), ("cuda_graph_max_bs", -1), ("mem_fraction", 1.5)])
+                                          ("num_pages", 0), ("cuda_graph_max_bs", -1), ("mem_fraction", 1.5),
+                                          ("steps_in_flight", 0)])
 def test_sizes_that_could_never_run_are_refused(field, value, tiny_model):
     """A chunk budget of 0 used to hold every prompt forever; now the offline API and `ringllm serve`
     refuse such sizes before anything starts."""

@@ -113,6 +113,37 @@ def test_dropped_client_frees_its_pages_within_a_second(smol_server):
     assert smol_server.get("/server_info")["scheduler"]["running"] == 0
 
 
+async def _flush(server) -> tuple[int, dict]:
+    async with aiohttp.ClientSession(server.base_url) as http, http.post("/flush_cache") as reply:
+        return reply.status, await reply.json()
+
+
+def test_flush_cache_evicts_the_prefix_cache_through_every_actor(smol_server):
+    """The flush reaches the scheduler, and its answer the api worker that asked: the prompt's cached
+    pages go, and the same prompt then gives the same text from a cold cache and caches them again."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=smol_server.base_url + "/v1", api_key="none")
+    prompt = " ".join(f"word{i}" for i in range(120))  # several full pages
+
+    def run() -> str:
+        return client.completions.create(model=smol_server.model, prompt=prompt, max_tokens=4, temperature=0).choices[0].text
+
+    def cached_pages() -> int:
+        return smol_server.get("/server_info")["scheduler"]["cached_pages"]
+
+    assert asyncio.run(_flush(smol_server))[0] == 200  # what earlier tests left
+    assert cached_pages() == 0
+    first = run()
+    cached = cached_pages()
+    assert cached >= 2
+    assert asyncio.run(_flush(smol_server)) == (200, {"flushed_pages": cached})
+    assert cached_pages() == 0
+    assert asyncio.run(_flush(smol_server)) == (200, {"flushed_pages": 0})
+    assert run() == first
+    assert cached_pages() == cached
+
+
 async def _long_generation_while_watching(server) -> list[float]:
     """Stream a long completion; meanwhile read every actor's heartbeat age from `ringllm status`."""
     from tests.conftest import ringllm
