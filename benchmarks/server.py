@@ -19,16 +19,16 @@ import orjson
 _PR_SET_PDEATHSIG = 1
 
 
-def _stop_with_parent() -> None:
-    """In the server's process: SIGINT (a clean stop) when the benchmark that started it dies, so
-    a killed benchmark leaves no server behind."""
+def stop_with_parent() -> None:
+    """In the server's process: SIGINT (a clean stop) when the benchmark or test run that started it
+    dies, so a killed one leaves no server behind."""
     ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
 
 
 def start_server(args: list[str], **popen) -> subprocess.Popen:
     """`ringllm serve ARGS` in its own session (a terminal's Ctrl-C is the benchmark's to handle)."""
     return subprocess.Popen([sys.executable, "-m", "runtime.cli", "serve", *args], start_new_session=True,
-                            preexec_fn=_stop_with_parent, **popen)
+                            preexec_fn=stop_with_parent, **popen)
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:

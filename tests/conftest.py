@@ -17,6 +17,7 @@ import orjson
 import psutil
 import pytest
 
+from benchmarks.server import stop_with_parent
 from transport.segment import list_segments, remove_segments, server_prefix
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -133,7 +134,7 @@ def start_supervisor(server: str, tmp_path: Path, monkeypatch) -> Iterator[Calla
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "actors.supervisor", topology, "--port", server, *args],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(),
+                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=stop_with_parent,
             )
         running = RunningSupervisor(server, proc, log)
         started.append(running)
@@ -230,7 +231,7 @@ def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Serv
         proc = subprocess.Popen(
             [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model_dir), "--served-model-name", model,
              "--port", str(port), *args],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
         )
     server = Server(port, model, proc, log)
     try:

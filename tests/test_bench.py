@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import orjson
+import psutil
 
 from benchmarks.offline import workload
-from tests.conftest import ringllm
+from tests.conftest import ROOT, ringllm, wait_for
+from transport.segment import list_segments, server_prefix
 
 SMALL = ("--requests", "6", "--input-len", "5", "40", "--output-len", "4", "12", "--device", "cpu")
 
@@ -23,6 +28,23 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_pat
         assert {"model", "date", "versions"} <= set(run)
     prompts, lengths = workload(6, (5, 40), (4, 12))
     assert {(r["prompt_tokens"], r["output_tokens"]) for r in runs} == {(sum(map(len, prompts)), sum(lengths))}
+
+
+def test_a_killed_benchmark_leaves_no_server_behind(smollm2, tmp_path):
+    """SIGKILL gives the benchmark no chance to stop its server; the kernel's parent-death signal
+    must, and the server must then remove its segments as on any clean stop."""
+    bench = subprocess.Popen([sys.executable, "-m", "runtime.cli", "bench", "offline", "--model", str(smollm2), *SMALL,
+                              "--out", str(tmp_path / "offline.json")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        served = wait_for(lambda: next((p for p in psutil.Process(bench.pid).children() if "serve" in p.cmdline()), None),
+                          60, "the benchmark's server")
+        port = served.cmdline()[served.cmdline().index("--port") + 1]
+        wait_for(lambda: list_segments(server_prefix(port)), 120, "the server's segments")
+    finally:
+        bench.kill()
+        bench.wait()
+    wait_for(lambda: not served.is_running(), 60, "the server to stop with its benchmark")
+    assert not list_segments(server_prefix(port))
 
 
 def test_offline_workload_is_mini_sglangs_sample():
