@@ -53,7 +53,6 @@ class EngineActor(Actor):
         self.engine = Engine(Path(serve.model_dir), config)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[InFlight] = deque()
-        self.depth = config.steps_in_flight
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration
         self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
@@ -78,7 +77,7 @@ class EngineActor(Actor):
                 pending = self.engine.launch(plan)
                 self.in_flight.append(InFlight(plan.step, pending, launched, time.monotonic() - launched,
                                                sum(len(c.token_ids) for c in plan.chunks), len(plan.decodes)))
-                if len(self.in_flight) < self.depth and not self.in_flight[0].pending.ready():
+                if len(self.in_flight) < self.engine.config.steps_in_flight and not self.in_flight[0].pending.ready():
                     continue  # room for one more while the device works; on CPU, launch has done the work
             elif not self.in_flight[0].pending.ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
