@@ -118,7 +118,9 @@ class SchedulerActor(Actor):
         elif frame.kind == Kind.PING:
             await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
         elif frame.kind == Kind.FLUSH_CACHE:
-            await self.send("detokenizer", Kind.FLUSH_CACHE, frame.rid, {"pages": self.core.flush_cache()})
+            pages = self.core.flush_cache()
+            self._publish_gauges()  # before the answer, as in _emit
+            await self.send("detokenizer", Kind.FLUSH_CACHE, frame.rid, {"pages": pages})
         elif frame.kind == Kind.ABORT:
             self.timelines.pop(frame.rid, None)
             if (request := self.core.abort(frame.rid)) is not None:
@@ -135,6 +137,7 @@ class SchedulerActor(Actor):
         (without a token: it was aborted, or outgrew the KV pool while being planned)."""
         if not requests:
             return
+        self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
         items, tokens = [], []
         for request in requests:
             item = {"rid": request.rid, "finish": request.finish_reason}
