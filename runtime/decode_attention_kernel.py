@@ -17,7 +17,6 @@ import triton.language as tl
 
 from runtime import pdl
 from runtime.attention import Rope
-from runtime.rope_kv_kernel import normed_rotated, rope_angles
 
 PROGRAMS = 512  # the split count aims at this many programs a step: 8 KV heads, 32 splits at batch 1, 8 at 8
 MAX_SPLITS = 32
@@ -30,6 +29,22 @@ def _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE: tl.constexpr, 
     """Element offsets in the pool of tokens `t`'s K rows for this KV head; their V rows are PAGE rows on."""
     page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=live_t, other=0).to(tl.int64)
     return (page * (2 * PAGE) + t % PAGE) * (KV_HEADS * DIM) + kv_head * DIM
+
+
+@triton.jit
+def _normed_rotated(row, heads, live, d, cos, signed_sin, norm_ptr, eps, DIM: tl.constexpr, NORM: tl.constexpr):
+    """Heads `heads` of a raw qkv row, [heads, DIM] in fp32, after their RMSNorm (where NORM) and the half-split
+    rotation: each element pairs with the one half a head away, sin signed by the half it sits in. Whole
+    heads, as the dot below takes them; runtime.rope_kv_kernel rotates half against half, as this form cost
+    its pass 4-53% on the H200 (benchmarks/results/h200-probe-session20.log, call 12)."""
+    partner = (d + DIM // 2) % DIM
+    x = tl.load(row + heads[:, None] * DIM + d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    y = tl.load(row + heads[:, None] * DIM + partner[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt(tl.sum(x * x, 1) / DIM + eps)[:, None]
+        x = x * rstd * tl.load(norm_ptr + d).to(tl.float32)[None, :]
+        y = y * rstd * tl.load(norm_ptr + partner).to(tl.float32)[None, :]
+    return x * cos[None, :] + y * signed_sin[None, :]
 
 
 @triton.jit
@@ -59,15 +74,17 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
         pdl.prefetch_l2(k_lines + v_offset)
     if ROPE:  # the new token sits at kv_len - 1; its angles, like the lengths, came from the host before the step
         pos = kv_len - 1
-        cos, signed_sin = rope_angles(cos_sin_ptr, pos, d, DIM)
+        angle = cos_sin_ptr + pos.to(tl.int64) * DIM + d % (DIM // 2)
+        cos = tl.load(angle)
+        signed_sin = tl.load(angle + DIM // 2) * tl.where(d < DIM // 2, -1.0, 1.0)
     pdl.wait_for_previous_kernel(PDL, True)  # q, and the step's own K and V, come from the kernel before
     row = q_ptr + seq.to(tl.int64) * q_stride
     if ROPE:  # q from the raw qkv row; the program whose slice ends the sequence writes the new K and V first
-        q = normed_rotated(row, heads, live_g, d, cos, signed_sin, q_norm_ptr, eps, DIM, NORM).to(q_ptr.dtype.element_ty)
+        q = _normed_rotated(row, heads, live_g, d, cos, signed_sin, q_norm_ptr, eps, DIM, NORM).to(q_ptr.dtype.element_ty)
         if (start <= pos) & (pos < end):
             new = pos + tl.arange(0, 1)
-            k = normed_rotated(row + HEADS * DIM, kv_head + tl.arange(0, 1), new >= 0, d, cos, signed_sin, k_norm_ptr,
-                               eps, DIM, NORM)
+            k = _normed_rotated(row + HEADS * DIM, kv_head + tl.arange(0, 1), new >= 0, d, cos, signed_sin, k_norm_ptr,
+                                eps, DIM, NORM)
             at = pool_ptr + _k_rows(kv_indices_ptr, first_page, new, new >= 0, kv_head, PAGE, KV_HEADS, DIM)[:, None] + d[None, :]
             tl.store(at, k.to(pool_ptr.dtype.element_ty))
             tl.store(at + v_offset, tl.load(row + (HEADS + KV_HEADS + kv_head) * DIM + d)[None, :])

@@ -21,58 +21,63 @@ from runtime import pdl
 
 
 @triton.jit
-def rope_angles(cos_sin_ptr, pos, d, DIM: tl.constexpr):
-    """cos and signed sin of position `pos` at columns `d` of a head (zero past DIM): an element's sin is
-    negated in the first half, where its partner half a head away is subtracted."""
-    in_dim = d < DIM
-    angle = cos_sin_ptr + pos.to(tl.int64) * DIM + d % (DIM // 2)
-    cos = tl.load(angle, mask=in_dim, other=0.0)
-    signed_sin = tl.load(angle + DIM // 2, mask=in_dim, other=0.0) * tl.where(d < DIM // 2, -1.0, 1.0)
-    return cos, signed_sin
+def _normed_rotated(at, half_cols, live, cos, sin, norm_ptr, eps, HALF: tl.constexpr, NORM: tl.constexpr):
+    """Both halves of the heads at `at` ([heads, half] pointers to first halves), normed and rotated, in fp32."""
+    x1 = tl.load(at, mask=live, other=0.0).to(tl.float32)
+    x2 = tl.load(at + HALF, mask=live, other=0.0).to(tl.float32)
+    if NORM:
+        rstd = tl.rsqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / (2 * HALF) + eps)[:, None]
+        in_half = half_cols < HALF
+        x1 = x1 * rstd * tl.load(norm_ptr + half_cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+        x2 = x2 * rstd * tl.load(norm_ptr + HALF + half_cols, mask=in_half, other=0.0).to(tl.float32)[None, :]
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
 
 
 @triton.jit
-def normed_rotated(row, heads, live, d, cos, signed_sin, norm_ptr, eps, DIM: tl.constexpr, NORM: tl.constexpr):
-    """Heads `heads` of a raw qkv row, [heads, d] in fp32, after their RMSNorm (where NORM) and the half-split
-    rotation: each element pairs with the one half a head away. The decode attention kernel uses it too."""
-    in_dim = d < DIM
-    partner = (d + DIM // 2) % DIM
-    mask = live[:, None] & in_dim[None, :]
-    x = tl.load(row + heads[:, None] * DIM + d[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = tl.load(row + heads[:, None] * DIM + partner[None, :], mask=mask, other=0.0).to(tl.float32)
-    if NORM:
-        rstd = tl.rsqrt(tl.sum(x * x, 1) / DIM + eps)[:, None]
-        x = x * rstd * tl.load(norm_ptr + d, mask=in_dim, other=0.0).to(tl.float32)[None, :]
-        y = y * rstd * tl.load(norm_ptr + partner, mask=in_dim, other=0.0).to(tl.float32)[None, :]
-    return x * cos[None, :] + y * signed_sin[None, :]
+def _rotate_q(row, cols, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
+              NORM: tl.constexpr):
+    heads = tl.arange(0, BLOCK)
+    live = (heads < HEADS)[:, None] & (cols < HALF)[None, :]
+    at = row + heads[:, None] * (2 * HALF) + cols[None, :]
+    o1, o2 = _normed_rotated(at, cols, live, cos, sin, norm_ptr, eps, HALF, NORM)
+    tl.store(at, o1.to(row.dtype.element_ty), mask=live)
+    tl.store(at + HALF, o2.to(row.dtype.element_ty), mask=live)
+
+
+@triton.jit
+def _write_kv(row, cols, cos, sin, norm_ptr, eps, k_dst, v_dst, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
+              HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+    heads = tl.arange(0, BLOCK)
+    live = (heads < KV_HEADS)[:, None] & (cols < HALF)[None, :]
+    at = row + (HEADS + heads)[:, None] * (2 * HALF) + cols[None, :]
+    o1, o2 = _normed_rotated(at, cols, live, cos, sin, norm_ptr, eps, HALF, NORM)
+    in_row = heads[:, None] * (2 * HALF) + cols[None, :]
+    tl.store(k_dst + in_row, o1.to(row.dtype.element_ty), mask=live)
+    tl.store(k_dst + in_row + HALF, o2.to(row.dtype.element_ty), mask=live)
+    v_src = at + KV_HEADS * (2 * HALF)
+    tl.store(v_dst + in_row, tl.load(v_src, mask=live), mask=live)
+    tl.store(v_dst + in_row + HALF, tl.load(v_src + HALF, mask=live), mask=live)
 
 
 @triton.jit
 def _rope_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, rows_ptr, rows_token_stride,
-                    rows_part_stride, pool_ptr, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr,
-                    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, DIM_BLOCK: tl.constexpr, NORM: tl.constexpr,
+                    rows_part_stride, pool_ptr, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
+                    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr,
                     PDL: tl.constexpr):
     pdl.wait_for_previous_kernel(PDL, True)
     token, part = tl.program_id(0), tl.program_id(1)
-    d = tl.arange(0, DIM_BLOCK)
-    cos, signed_sin = rope_angles(cos_sin_ptr, tl.load(pos_ptr + token), d, DIM)
+    cols = tl.arange(0, HALF_BLOCK)
+    angle = cos_sin_ptr + tl.load(pos_ptr + token) * (2 * HALF) + cols
+    cos = tl.load(angle, mask=cols < HALF, other=0.0)[None, :]
+    sin = tl.load(angle + HALF, mask=cols < HALF, other=0.0)[None, :]
     row = qkv_ptr + token.to(tl.int64) * qkv_stride
-    if part == 0:  # q, rotated in place
-        q_heads = tl.arange(0, Q_BLOCK)
-        q_live = q_heads < HEADS
-        q = normed_rotated(row, q_heads, q_live, d, cos, signed_sin, q_norm_ptr, eps, DIM, NORM)
-        tl.store(row + q_heads[:, None] * DIM + d[None, :], q.to(row.dtype.element_ty),
-                 mask=q_live[:, None] & (d < DIM)[None, :])
-    else:  # K, rotated, and V, as it is, to their pool rows
-        kv_heads = tl.arange(0, KV_BLOCK)
-        kv_live = kv_heads < KV_HEADS
-        kv_mask = kv_live[:, None] & (d < DIM)[None, :]
-        in_row = kv_heads[:, None] * DIM + d[None, :]
-        k = normed_rotated(row + HEADS * DIM, kv_heads, kv_live, d, cos, signed_sin, k_norm_ptr, eps, DIM, NORM)
+    if part == 0:
+        _rotate_q(row, cols, cos, sin, q_norm_ptr, eps, HEADS, HALF, Q_BLOCK, NORM)
+    else:
         rows = rows_ptr + token * rows_token_stride
-        tl.store(pool_ptr + tl.load(rows) * (KV_HEADS * DIM) + in_row, k.to(row.dtype.element_ty), mask=kv_mask)
-        v = tl.load(row + (HEADS + KV_HEADS) * DIM + in_row, mask=kv_mask)
-        tl.store(pool_ptr + tl.load(rows + rows_part_stride) * (KV_HEADS * DIM) + in_row, v, mask=kv_mask)
+        k_dst = pool_ptr + tl.load(rows) * (KV_HEADS * 2 * HALF)
+        v_dst = pool_ptr + tl.load(rows + rows_part_stride) * (KV_HEADS * 2 * HALF)
+        _write_kv(row, cols, cos, sin, k_norm_ptr, eps, k_dst, v_dst, HEADS, KV_HEADS, HALF, KV_BLOCK, NORM)
 
 
 def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None,
@@ -88,6 +93,6 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     norm = q_norm is not None
     _rope_kv_kernel[(tokens, 2)](
         qkv, qkv.stride(0), positions, cos_sin, q_norm if norm else cos_sin, k_norm if norm else cos_sin, rows,
-        rows.stride(0), rows.stride(1), pool_rows, eps, HEADS=heads, KV_HEADS=kv_heads, DIM=dim,
+        rows.stride(0), rows.stride(1), pool_rows, eps, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
         Q_BLOCK=triton.next_power_of_2(heads), KV_BLOCK=triton.next_power_of_2(kv_heads),
-        DIM_BLOCK=triton.next_power_of_2(dim), NORM=norm, num_warps=4, **pdl.launch(qkv.device))
+        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4, **pdl.launch(qkv.device))
