@@ -152,10 +152,12 @@ async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[S
 async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int,
                        sig: signal.Signals, rng: random.Random) -> tuple[list[Stream], list[tuple[float, float]]]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
-    happened and when the supervisor had noticed it (the epoch moved on). Each kill comes at a
-    random moment after the previous one has recovered (the pipeline is healthy and a stream in
-    flight has had a token since the restart), and only while streams still have half their
-    tokens to come, so that every kill interrupts generation; otherwise the round ends early."""
+    happened and when the supervisor had noticed it (the epoch moved on). Each kill comes after the
+    previous one has recovered (the pipeline is healthy and a stream in flight has had a token since
+    the restart), at a random point of generation: once the furthest unfinished stream has 5-40% of
+    its tokens. A random delay in seconds instead let a fast machine finish the whole load first.
+    A kill lands only while streams still have half their tokens to come, so that every kill
+    interrupts generation; otherwise the round ends early."""
     streams = [Stream() for _ in bodies]
     load = asyncio.create_task(_load(http, bodies, streams))
     kill_times: list[tuple[float, float]] = []
@@ -163,7 +165,9 @@ async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list
         await wait_healthy(http, 120)
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
             await asyncio.sleep(0.01)
-        await asyncio.sleep(rng.uniform(0.05, 0.5))
+        target = rng.uniform(0.05, 0.4) * bodies[0]["max_tokens"]
+        while not load.done() and max((len(s.token_ids) for s in streams if s.finish is None), default=target) < target:
+            await asyncio.sleep(0.002)
         if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
         pid, epoch = rng.choice(server.actors()[kind]), server.epoch()

@@ -125,9 +125,11 @@ def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_pa
 
 
 def test_request_timeout_ends_a_request_with_408(served, tmp_path):
-    server = launch(served, tmp_path / "serve.log", "--request-timeout", "0.5")
+    # 500 tokens (the tiny model's context is 512) take far longer than 0.1 s through the pipeline: 400 in 0.5 s
+    # had finished in time on a fast 2-core machine
+    server = launch(served, tmp_path / "serve.log", "--request-timeout", "0.1")
     try:
-        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 400, "ignore_eos": True}
+        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
 
         async def call():
             async with aiohttp.ClientSession(server.base_url) as http:
