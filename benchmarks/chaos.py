@@ -166,7 +166,7 @@ async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
             await asyncio.sleep(0.01)
         target = rng.uniform(0.05, 0.4) * bodies[0]["max_tokens"]
-        while not load.done() and max((len(s.token_ids) for s in streams if s.finish is None), default=target) < target:
+        while not load.done() and not any(s.finish is None and len(s.token_ids) >= target for s in streams):
             await asyncio.sleep(0.002)
         if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
