@@ -8,7 +8,7 @@ once per step on the host, and makes the fixed-buffer wrappers that CUDA graphs 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
@@ -168,6 +168,11 @@ class TorchAttention:
         return out
 
 
+def _copy_each(copies: Sequence[tuple[Tensor, Tensor]]) -> None:
+    for src, dst in copies:
+        dst.copy_(src, non_blocking=True)
+
+
 class FlashInferAttention:
     """flashinfer's paged prefill (mixed steps) and tensor-core decode (decode-only steps). The
     tensor-core decode also wins at two query heads per KV head: Qwen3-0.6B's offline bench ran
@@ -186,6 +191,11 @@ class FlashInferAttention:
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
         self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         self.active = self.prefill
+        try:
+            from runtime.host_copy_kernel import send
+        except ImportError:  # no Triton: step inputs go by cudaMemcpyAsync
+            send = _copy_each
+        self._send = send
         self._planned = torch.cuda.Event()
         self._planned.record()
 
@@ -220,14 +230,18 @@ class FlashInferAttention:
             self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(indptr), paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len)
 
-    def prepare(self, meta: AttentionMeta, wrapper=None) -> None:
-        """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill."""
+    def prepare(self, meta: AttentionMeta, wrapper=None, copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
+        """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
+        `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
+        and the next prepare waits for them too."""
         self._planned.synchronize()
         self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
         if isinstance(self.active, TritonDecode):
-            self.active.plan(meta)
+            copies = [*copies, self.active.plan(meta)]
         else:
             self._plan_flashinfer(meta)
+        if copies:
+            self._send(copies)
         self._planned.record()
 
     def _plan_flashinfer(self, meta: AttentionMeta) -> None:
@@ -258,8 +272,8 @@ class FlashInferAttention:
 
 class TritonDecode:
     """A flashinfer decode wrapper's plan and run, for runtime.decode_attention_kernel. A plan
-    stages the step's page lists and lengths in pinned memory and sends them with one copy into the
-    buffer its graph reads; like flashinfer's plans, the next one waits for that copy (prepare)."""
+    stages the step's page lists and lengths in pinned memory, and prepare sends them into the buffer
+    its graph reads; like flashinfer's plans, the next one waits for that copy."""
 
     def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor]) -> None:
         self.staged = torch.zeros(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
@@ -268,12 +282,13 @@ class TritonDecode:
         self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
         self.attend = attend
 
-    def plan(self, meta: AttentionMeta) -> None:
+    def plan(self, meta: AttentionMeta) -> tuple[Tensor, Tensor]:
+        """Stages the plan; returns the copy (pinned, device) that sends it."""
         b, used = len(self.kv_lens), 2 * len(self.kv_lens) + 1 + len(meta.kv_indices)
         assert len(meta.kv_lens) == b, "a graph's plan has its batch size"
         staged = self.staged.numpy()
         staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
-        self.buffer[:used].copy_(self.staged[:used], non_blocking=True)
+        return self.staged[:used], self.buffer[:used]
 
     def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None) -> Tensor:
         return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope)

@@ -105,8 +105,9 @@ class DecodeGraphs:
     """A decode step pads to the next captured batch size up, or to one at most twice as large whose
     graph replayed faster at start-up (cuBLAS picks poor kernels for some one-row GEMMs: Qwen3-0.6B's
     whole decode step ran faster padded to 8 rows than at 1 on the H200). Each replay sends the step's
-    positions, KV rows and slots in one copy from pinned memory, and the graph gathers its token ids
-    from the engine's last sampled tokens itself. (On the H200, a Qwen3-8B step of one sequence had
+    positions, KV rows and slots from pinned memory in the attention plan's copy kernel
+    (runtime.host_copy_kernel), and the graph gathers its token ids from the engine's last sampled
+    tokens itself. (On the H200, a Qwen3-8B step of one sequence had
     spent 63 us outside its graph, in ten small copies and kernels with the chip idle between them.)
 
     Sizes up to TRITON_DECODE_MAX_BS are captured twice, attention by flashinfer and by ringllm's
@@ -178,11 +179,10 @@ class DecodeGraphs:
         staged[:, n:bs] = 0
         staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
         staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, slots
-        self.rows.copy_(self.staged, non_blocking=True)  # whole: a slice of its columns would be staged again, pageable
-        self._sent.record()
         if bs > n:
             meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
-        self.attention.prepare(meta, self.wrappers[bs])
+        self.attention.prepare(meta, self.wrappers[bs], copies=[(self.staged, self.rows)])  # with the plan's, one kernel
+        self._sent.record()
         self.graphs[bs].replay()
         return self.logits[bs][:n], self.rows[3, :n]
 

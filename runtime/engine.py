@@ -22,7 +22,7 @@ from runtime.cpu import default_dtype
 from runtime.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.few_row_gemm import use_few_row_gemms, use_one_row_fusion
 from runtime.loader import build_model
-from runtime.sampling import Sample, SampleRow, logprob_dicts, sample
+from runtime.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample
 from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
 
@@ -220,21 +220,22 @@ class Engine:
             logits = self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None
         if not sampled:
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
-        drawn = sample(logits, rows)
-        for state in states:
-            state.sampled += 1
         if sample_slots_on_device is None:
             sample_slots_on_device = self._to_device(sample_slots)
-        self.last_tokens[sample_slots_on_device] = drawn.tokens
-        return self._pending(states, sample_slots.tolist(), rows, drawn)
+        host = torch.empty(len(rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        drawn = sample(logits, rows, Feedback(self.last_tokens, sample_slots_on_device, host))
+        for state in states:
+            state.sampled += 1
+        return self._pending(states, sample_slots.tolist(), rows, drawn, host)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample) -> PendingStep:
+    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample,
+                 host: torch.Tensor) -> PendingStep:
+        """`host` holds the draws (in pinned memory on CUDA, written by the step); the step's event
+        covers them: reading them must not wait on later steps."""
         if self.device.type == "cuda":
-            # to pinned host memory behind one event: reading them must not wait on later steps
-            host = drawn.tokens.to("cpu", non_blocking=True)
             if drawn.logprob_rows:
                 drawn.top_ids, drawn.top_values, drawn.chosen = (
                     t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen))
@@ -242,7 +243,7 @@ class Engine:
             done.record()
             step = PendingStep(states, slots, rows, drawn, host, done)
         else:
-            step = PendingStep(states, slots, rows, drawn, drawn.tokens, None)
+            step = PendingStep(states, slots, rows, drawn, host, None)
         while self._unread and self._unread[0].read:
             self._unread.popleft()
         self._unread.append(step)

@@ -11,7 +11,10 @@ cuBLAS only at the row counts where it won.
 At one row, the GEMV can also fold in the kernel before the projection: a decoder layer's RMSNorm
 (with the residual add) before qkv_proj and gate_up_proj, and SiLU-and-mul before down_proj. Each
 such pair is timed fused against the pair as chosen above, over all layers, and fused where that won:
-Qwen3-8B's gate_up (24576 x 4096) streamed faster alone, its norm a kernel apart.
+Qwen3-8B's gate_up (24576 x 4096) streamed faster alone, its norm a kernel apart. Last, the summed
+stream (every pair fused, the residual adds moved into o_proj's and down_proj's epilogues, no norm
+kernel left) is timed against those choices: it won at Qwen3-8B, whose 72 norm kernels a step cost
+more than the norm weights' loads inside the GEMVs, and lost at Qwen3-0.6B.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from torch import nn
 
 from runtime import cuda_graph
 from runtime.layers import linear_slots
-from runtime.models.dense import DecoderLayer, OneRowFusion
+from runtime.models.dense import DecoderLayer, OneRowFusion, norm_then_linear
 
 log = structlog.get_logger()
 
@@ -36,6 +39,8 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tenso
 MAX_ROWS = 16  # one or two of tinygemm's 8-row tiles; past that it lost on every shape measured
 MAX_K = 4096  # tinygemm hung on Qwen3-8B's down_proj (K = 12288) with flashinfer 0.6.6: larger K is never tried
 MARGIN = 0.97  # a kernel must beat cuBLAS by 3% (best of three alternated rounds), so noise does not flip a choice
+STREAM_MARGIN = 0.99  # all layers' projections replay 0.5-4 ms, steadier than one projection's: the summed stream
+# must win by 1% (on the H200 it won by 1.8% at Qwen3-8B and lost by 1.7% at Qwen3-0.6B, h200-probe-session22.log)
 
 
 def load_tinygemm(device: torch.device, dtype: torch.dtype) -> Callable | None:
@@ -99,10 +104,10 @@ def _graph(calls: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _winner(times: dict[str, float], baseline: str) -> str:
+def _winner(times: dict[str, float], baseline: str, margin: float = MARGIN) -> str:
     """The fastest, where it beat the baseline by the margin; else the baseline."""
     best = min(times, key=times.__getitem__)
-    return best if times[best] < MARGIN * times[baseline] else baseline
+    return best if times[best] < margin * times[baseline] else baseline
 
 
 def _fastest_kernels(linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable | None,
@@ -152,8 +157,9 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
 @torch.inference_mode()
 def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype) -> dict[str, str]:
     """Fuse each of a decoder layer's norm→qkv, norm→gate_up and SiLU→down pairs at one row where a
-    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms);
-    returns {pair: the fused kernel and its tile}."""
+    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then
+    the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
+    epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
     if gemv_kernel is None or not layers:
         return {}
@@ -161,6 +167,7 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
     h, residual = (torch.randn(1, hidden, dtype=dtype, device=device) for _ in range(2))
     gate_up = torch.randn(1, 2 * inter, dtype=dtype, device=device)
+    attended = torch.randn(1, first.self_attn.o_proj.weight.shape[1], dtype=dtype, device=device)
 
     Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
 
@@ -184,13 +191,49 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
         "down": ways(lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)), gemv_kernel.silu_linear,
                      lambda layer: layer.mlp.down_proj, lambda fused, layer: fused(gate_up, layer.mlp.down_proj)),
     }
+    o_adds = {}  # o_proj with the residual add in its epilogue, at each tile
+    for tile in gemv_kernel.tiles(*first.self_attn.o_proj.weight.shape):
+        o_add = functools.partial(gemv_kernel.linear_add, tile=tile)
+        o_adds["add{}x{}".format(*tile)] = (lambda o_add=o_add: [o_add(attended, layer.self_attn.o_proj, residual)
+                                                                 for layer in layers], o_add)
     try:
-        chosen = {name: _winner(cuda_graph.best_times({way: _graph(run) for way, (run, _) in candidates.items()}), "pair")
-                  for name, candidates in pairs.items()}
+        times = {name: cuda_graph.best_times({way: _graph(run) for way, (run, _) in candidates.items()})
+                 for name, candidates in {**pairs, "o_proj": o_adds}.items()}
     except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
         log.warning("one_row_fusion_unusable", error=str(exc)[:200])
         return {}
+    chosen = {name: _winner(times[name], "pair") for name in pairs}
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
+    best = {name: min((way for way in ways_ if way != "pair"), key=ways_.__getitem__) for name, ways_ in times.items()}
+    summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
+    x, r = h.clone(), residual.clone()
+    layer_times = cuda_graph.best_times({way: _graph(lambda f=f: _layer_projections(layers, f, x, r, attended, gate_up))
+                                         for way, f in (("as chosen", fusion), ("fused stream", summed))})
+    log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
+    if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
+        fusion, chosen = summed, {**best, "stream": "summed"}
     for layer in layers:
         layer.one_row = fusion
     return {name: way for name, way in chosen.items() if way != "pair"}
+
+
+def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, x: torch.Tensor, r: torch.Tensor,
+                       attended: torch.Tensor, gate_up: torch.Tensor) -> None:
+    """Each layer's projections and norms at one row as DecoderLayer.forward runs them under `fusion`,
+    attention left out (the same either way); every call on fixed inputs (an add-norm's in place), so
+    only the kernels count."""
+    for layer in layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        if fusion.o_proj is not None:
+            fusion.qkv(x, None, layer.input_layernorm, attn.qkv_proj)
+            fusion.o_proj(attended, attn.o_proj, x)
+            fusion.gate_up(x, None, layer.post_attention_layernorm, mlp.gate_up_proj)
+            fusion.down(gate_up, mlp.down_proj, x)
+            continue
+        (fusion.qkv or norm_then_linear)(x, r, layer.input_layernorm, attn.qkv_proj)
+        attn.o_proj(attended)
+        (fusion.gate_up or norm_then_linear)(x, r, layer.post_attention_layernorm, mlp.gate_up_proj)
+        if fusion.down is not None:
+            fusion.down(gate_up, mlp.down_proj, None)
+        else:
+            mlp.down_proj(mlp.ops.silu_and_mul(gate_up))

@@ -1,12 +1,14 @@
 """One-row linears for decode at batch 1, with the kernel before them folded in: y = x·Wᵀ, where x is
-the row as given, its RMSNorm (after adding the residual), or SiLU(gate)·up of a gate_up row.
+the row as given, its RMSNorm (after adding the residual), or SiLU(gate)·up of a gate_up row; y may
+take the residual add of the block it ends.
 
 A decode step of one sequence is a chain of small kernels: on the H200 a Qwen3-0.6B layer ran ten of
 2-12 us each, and cuBLAS streamed Qwen3-8B's qkv and o projections at 2.6-2.7 TB/s. Here each program
 owns a few output columns and sweeps the whole K, so a projection spreads over thousands of programs
 and every multiprocessor keeps many weight loads in flight; products accumulate elementwise and
 reduce once at the end. The norm costs no extra pass: rstd is a per-row scale, applied to the
-accumulator at the end, and its sum of squares builds up in the same sweep over K. On Hopper it
+accumulator at the end, and its squares build up elementwise in the same sweep over K, reduced once
+with the products (a reduction per K tile synchronised the warps at every step of the sweep). On Hopper it
 launches with PDL (runtime.pdl), so it starts while the kernel before it drains.
 """
 
@@ -23,7 +25,7 @@ PLAIN, NORM, ADD_NORM, SILU = 0, 1, 2, 3
 
 @triton.jit
 def _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, k, K, write_res, PROLOGUE: tl.constexpr):
-    """This K tile of the GEMV's input row in fp32 (before the norm's scale), and its sum of squares."""
+    """This K tile of the GEMV's input row in fp32 (before the norm's scale), and its squares."""
     if PROLOGUE == 3:  # SILU: gate in the row's first K columns, up in the next K
         gate = tl.load(x_ptr + k).to(tl.float32)
         a = gate / (1.0 + tl.exp(-gate)) * tl.load(x_ptr + K + k).to(tl.float32)
@@ -33,16 +35,16 @@ def _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, k, K, write_res, PROLOGUE
         added = (a + tl.load(res_ptr + k).to(tl.float32)).to(new_res_ptr.dtype.element_ty)
         tl.store(new_res_ptr + k, added, mask=write_res)
         a = added.to(tl.float32)  # normalised as stored, as Hugging Face's layers add in the model's dtype
-    squares = tl.sum(a * a, 0)
+    squares = a * a
     if PROLOGUE == 1 or PROLOGUE == 2:
         a = a * tl.load(norm_ptr + k).to(tl.float32)
     return a, squares
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr, eps, K, PROLOGUE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, LINE: tl.constexpr,
-                 PDL: tl.constexpr, SHORT: tl.constexpr):
+def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, eps, K, PROLOGUE: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                 LINE: tl.constexpr, PDL: tl.constexpr, SHORT: tl.constexpr):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -52,7 +54,7 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr
     pdl.wait_for_previous_kernel(PDL, SHORT)
     w_tile = w_rows + k[None, :]
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
         w = tl.load(w_tile + start)
         a, sq = _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, start + k, K, pid == 0, PROLOGUE)
@@ -60,9 +62,11 @@ def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, out_ptr
         acc += w.to(tl.float32) * a[None, :]
     y = tl.sum(acc, 1)
     if PROLOGUE == 1 or PROLOGUE == 2:
-        y *= tl.rsqrt(squares / K + eps)
+        y *= tl.rsqrt(tl.sum(squares, 0) / K + eps)
     if HAS_BIAS:
         y += tl.load(bias_ptr + n).to(tl.float32)
+    if ADD:  # the residual stream's add, in the model's dtype as Hugging Face's layers do it
+        y = y.to(out_ptr.dtype.element_ty).to(tl.float32) + tl.load(add_ptr + n).to(tl.float32)
     tl.store(out_ptr + n, y.to(out_ptr.dtype.element_ty))
 
 
@@ -83,19 +87,20 @@ def tiles(n: int, k: int) -> list[tuple[int, int]]:
 
 
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int], *, prologue: int = PLAIN,
-         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None,
-         eps: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:
+         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
+         add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [1, N], the new residual [1, K] for ADD_NORM else None). x [1, K] ([1, 2K] for SILU), contiguous;
     weight [N, K] contiguous; tile one of `tiles(N, K)`; residual [1, K] for ADD_NORM; norm_weight [K] for
-    NORM and ADD_NORM."""
+    NORM and ADD_NORM; add [1, N], added to y (the epilogue of a projection that ends a residual block)."""
     (n, k), (block_n, block_k) = weight.shape, tile
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
     out = x.new_empty(1, n)
     new_residual = x.new_empty(1, k) if prologue == ADD_NORM else None
     _gemv_kernel[(n // block_n,)](
         x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight, out, eps,
-        k, PROLOGUE=prologue, HAS_BIAS=bias is not None, BLOCK_N=block_n, BLOCK_K=block_k,
+        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight,
+        add if add is not None else out, out, eps, k, PROLOGUE=prologue, HAS_BIAS=bias is not None, ADD=add is not None,
+        BLOCK_N=block_n, BLOCK_K=block_k,
         LINE=min(block_k, 128 // weight.element_size()), SHORT=pdl.fits_half_l2(weight), num_warps=4, num_stages=3,
         **pdl.launch(x.device))
     return out, new_residual
@@ -110,6 +115,12 @@ def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.M
     return gemv(h, linear.weight, linear.bias, tile, prologue=ADD_NORM, residual=residual, norm_weight=norm.weight, eps=norm.eps)
 
 
-def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, tile: tuple[int, int]) -> torch.Tensor:
-    """linear(SiLU(gate) · up) of a gate_up row [1, 2K], in one kernel."""
-    return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU)[0]
+def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor | None = None, *,
+                tile: tuple[int, int]) -> torch.Tensor:
+    """linear(SiLU(gate) · up) of a gate_up row [1, 2K] (+ add), in one kernel."""
+    return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU, add=add)[0]
+
+
+def linear_add(x: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor, *, tile: tuple[int, int]) -> torch.Tensor:
+    """linear(x) + add, in one kernel."""
+    return gemv(x, linear.weight, linear.bias, tile, add=add)[0]

@@ -82,6 +82,20 @@ def _torch_gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys:
     return tokens
 
 
+@dataclass(frozen=True)
+class Feedback:
+    """Where a step's draws go besides Sample.tokens: last_tokens[slots[i]], which the next decode
+    step feeds, and host[i], which the engine reads once the step is done (pinned on CUDA)."""
+
+    last_tokens: torch.Tensor
+    slots: torch.Tensor  # [B], on the device
+    host: torch.Tensor  # [B] int64
+
+    def send(self, tokens: torch.Tensor) -> None:
+        self.last_tokens[self.slots] = tokens
+        self.host.copy_(tokens, non_blocking=True)
+
+
 def _gumbel_argmax_kernel():
     """The Triton kernel on CUDA when triton imports, else None."""
     try:
@@ -94,13 +108,15 @@ def _gumbel_argmax_kernel():
 _KERNEL = _gumbel_argmax_kernel() if torch.cuda.is_available() else None
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None) -> torch.Tensor:
+def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None,
+                  feedback: Feedback | None = None) -> torch.Tensor:
     """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0 or without temperatures."""
     if scores.is_cuda and _KERNEL is not None:
-        return _KERNEL(scores, temperatures, keys)
-    if temperatures is None:
-        return scores.argmax(dim=-1)
-    return _torch_gumbel_argmax(scores, temperatures, keys)
+        return _KERNEL(scores, temperatures, keys, feedback)
+    tokens = scores.argmax(dim=-1) if temperatures is None else _torch_gumbel_argmax(scores, temperatures, keys)
+    if feedback is not None:
+        feedback.send(tokens)
+    return tokens
 
 
 def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
@@ -131,7 +147,7 @@ def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> t
     return torch.zeros_like(kept).scatter_(1, order, kept).log()
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:
+def sample(logits: torch.Tensor, rows: list[SampleRow], feedback: Feedback | None = None) -> Sample:
     """Next token per row, and top-N log-probabilities of the model's own distribution when asked.
     Plain draws read the logits in the model's dtype (the kernel widens them as it goes); anything
     that rewrites or normalises them works on an fp32 copy."""
@@ -151,10 +167,11 @@ def sample(logits: torch.Tensor, rows: list[SampleRow]) -> Sample:
         for i in filtered:
             temperatures[i] = 1.0
     if not any(temperatures):
-        tokens = gumbel_argmax(logits, None, None)
+        tokens = gumbel_argmax(logits, None, None, feedback)
     else:
         keys = torch.from_numpy(row_keys([row.seed for row in rows], [row.position for row in rows])).to(device, non_blocking=True)
-        tokens = gumbel_argmax(logits, torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True), keys)
+        temperatures = torch.tensor(temperatures, dtype=torch.float32).to(device, non_blocking=True)
+        tokens = gumbel_argmax(logits, temperatures, keys, feedback)
     result = Sample(tokens, logprob_rows)
     if logprob_rows:
         top = raw_logprobs.topk(max(rows[i].params.logprobs for i in logprob_rows), dim=-1)

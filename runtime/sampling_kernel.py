@@ -12,10 +12,14 @@ masked math.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 import triton
 import triton.language as tl
+
+if TYPE_CHECKING:
+    from runtime.sampling import Feedback
 
 BLOCK = 2048
 FEW_ROWS = 16  # up to this many rows a chunk is one block, so the draw spreads over more programs; else four
@@ -31,7 +35,8 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_argmax_kernel(scores_ptr, stride, temperatures_ptr, keys_ptr, best_ptr, best_id_ptr, arrivals_ptr, tokens_ptr,
-                          vocab, chunks, NOISE: tl.constexpr, BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr):
+                          last_tokens_ptr, slots_ptr, host_ptr, vocab, chunks, NOISE: tl.constexpr, FEEDBACK: tl.constexpr,
+                          BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr):
     row, chunk = tl.program_id(0), tl.program_id(1)
     if NOISE:
         temperature = tl.load(temperatures_ptr + row)
@@ -62,7 +67,11 @@ def _gumbel_argmax_kernel(scores_ptr, stride, temperatures_ptr, keys_ptr, best_p
         each = tl.arange(0, MAX_CHUNKS)
         values = tl.load(best_ptr + row * chunks + each, mask=each < chunks, other=float("-inf"), cache_modifier=".cg")
         winner = tl.argmax(values, axis=0)
-        tl.store(tokens_ptr + row, tl.load(best_id_ptr + row * chunks + winner, cache_modifier=".cg").to(tl.int64))
+        token = tl.load(best_id_ptr + row * chunks + winner, cache_modifier=".cg").to(tl.int64)
+        tl.store(tokens_ptr + row, token)
+        if FEEDBACK:
+            tl.store(last_tokens_ptr + tl.load(slots_ptr + row), token)
+            tl.store(host_ptr + row, token)
         tl.store(arrivals_ptr + row, 0)  # ready for the next draw, which comes after this kernel on the stream
 
 
@@ -71,9 +80,12 @@ def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
     return torch.zeros(rows, dtype=torch.int32, device=device)
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None) -> torch.Tensor:
+def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None,
+                  feedback: Feedback | None = None) -> torch.Tensor:
     """scores [B, vocab] (any float dtype, unit stride along the vocabulary) -> [B] int64. Without
-    temperatures (and keys), every row is greedy."""
+    temperatures (and keys), every row is greedy. With a runtime.sampling.Feedback, the row's last
+    program also writes the token there: the host's pinned copy is mapped memory the kernel stores
+    to directly, so no copy engine joins the stream."""
     rows, vocab = scores.shape
     blocks_per_chunk = 1 if rows <= FEW_ROWS else 4
     while triton.cdiv(vocab, BLOCK * blocks_per_chunk) > MAX_CHUNKS:
@@ -84,7 +96,8 @@ def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys:
     tokens = torch.empty(rows, dtype=torch.int64, device=scores.device)
     arrivals = _arrivals(scores.device, triton.next_power_of_2(rows))
     noise = temperatures is not None
+    fed = (feedback.last_tokens, feedback.slots, feedback.host) if feedback is not None else (tokens, tokens, tokens)
     _gumbel_argmax_kernel[(rows, chunks)](scores, scores.stride(0), temperatures if noise else scores, keys if noise else scores,
-                                          best, best_id, arrivals, tokens, vocab, chunks, NOISE=noise, BLOCK=BLOCK,
-                                          BLOCKS_PER_CHUNK=blocks_per_chunk)
+                                          best, best_id, arrivals, tokens, *fed, vocab, chunks, NOISE=noise,
+                                          FEEDBACK=feedback is not None, BLOCK=BLOCK, BLOCKS_PER_CHUNK=blocks_per_chunk)
     return tokens

@@ -147,6 +147,38 @@ def test_triton_draw_equals_its_torch_twin(rows, dtype):
         assert torch.equal(gumbel_argmax(logits, None, None), logits.float().argmax(dim=-1))
 
 
+def test_triton_draw_feeds_tokens_back_to_their_slots_and_to_pinned_host_memory():
+    """The kernel's own stores: last_tokens at each row's slot on the device, and the pinned host copy,
+    which it writes over the bus with no copy on the stream."""
+    from runtime.sampling import Feedback, gumbel_argmax
+
+    logits = torch.randn(5, 151_936, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
+    last_tokens = torch.full((16,), -1, dtype=torch.int64, device="cuda")
+    slots = torch.tensor([9, 2, 14, 0, 7], device="cuda")
+    host = torch.full((5,), -1, dtype=torch.int64, pin_memory=True)
+    tokens = gumbel_argmax(logits, None, None, Feedback(last_tokens, slots, host))
+    torch.cuda.synchronize()
+    expected = logits.float().argmax(dim=-1)
+    assert torch.equal(tokens, expected) and torch.equal(host, expected.cpu())
+    assert torch.equal(last_tokens[slots], expected) and (last_tokens[[1, 3, 4, 5, 6, 8, 10, 11, 12, 13, 15]] == -1).all()
+
+
+def test_host_copy_kernel_sends_pinned_tensors_whole():
+    """Two copies of other sizes and dtypes in one launch; the device bytes after each end stay as they were."""
+    from runtime.host_copy_kernel import send
+
+    sources = [torch.arange(3 * 1100, dtype=torch.int64).view(3, 1100).pin_memory(), torch.arange(7, dtype=torch.int32).pin_memory()]
+    targets = [torch.full((3 * 1100 + 8,), -1, dtype=torch.int64, device="cuda"), torch.full((9,), -1, dtype=torch.int32, device="cuda")]
+    send([(sources[0], targets[0][:-8].view(3, 1100)), (sources[1], targets[1][:7])])
+    torch.cuda.synchronize()
+    assert torch.equal(targets[0][:-8].cpu(), sources[0].flatten()) and (targets[0][-8:] == -1).all()
+    assert torch.equal(targets[1][:7].cpu(), sources[1]) and (targets[1][7:] == -1).all()
+    single = torch.tensor([5, 6], dtype=torch.int32).pin_memory()
+    send([(single, targets[1][7:])])
+    torch.cuda.synchronize()
+    assert targets[1][7:].tolist() == [5, 6]
+
+
 @pytest.mark.parametrize("name", ["sgl_kernel", "flashinfer"])
 def test_fused_ops_match_torch(name):
     from runtime.config import RopeConfig
@@ -291,7 +323,7 @@ def test_few_row_linears_match_cublas():
 @pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 3072), (96, 64), (6, 512)])
 def test_one_row_gemv_matches_torch(n, k, bias):
     """Each prologue of runtime.gemv_kernel against the torch ops it replaces, in bf16: plain, RMSNorm,
-    residual add + RMSNorm (and the new residual it writes), SiLU-and-mul."""
+    residual add + RMSNorm (and the new residual it writes), SiLU-and-mul; and the epilogue's add."""
     import torch.nn.functional as F
 
     from runtime import gemv_kernel as g
@@ -314,13 +346,18 @@ def test_one_row_gemv_matches_torch(n, k, bias):
         out, new_residual = g.norm_linear(h, residual, norm, linear, tile)
         assert torch.equal(new_residual, added)
         close(out, linear(rms(added).to(torch.bfloat16)), f"add + norm {tile}")
-        close(g.silu_linear(gate_up, linear, tile), linear(silu), f"silu-and-mul {tile}")
+        close(g.silu_linear(gate_up, linear, tile=tile), linear(silu), f"silu-and-mul {tile}")
+        stream = rand(1, n)  # a block's end: the residual add in the epilogue, in bf16 as torch adds
+        close(g.silu_linear(gate_up, linear, stream, tile=tile), linear(silu) + stream, f"silu-and-mul + add {tile}")
+        close(g.linear_add(h, linear, stream, tile=tile), linear(h) + stream, f"plain + add {tile}")
 
 
-def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatch):
-    """Start-up times each one-row kernel against cuBLAS and each fused norm→projection against the pair;
-    here the GEMV and every fusion are forced, and one request at a time (batch-1 decode graphs) must
-    give the torch reference's greedy tokens."""
+@pytest.mark.parametrize("stream", [False, True])
+def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatch, stream):
+    """Start-up times each one-row kernel against cuBLAS, each fused norm→projection against the pair, and
+    the summed stream against those choices; here the GEMV and every fusion are forced, with or without
+    the summed stream, and one request at a time (batch-1 decode graphs) must give the torch
+    reference's greedy tokens."""
     from runtime import few_row_gemm
 
     model_dir = build("qwen3", tmp_path, head_dim=128)
@@ -333,13 +370,14 @@ def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatc
         if attention_backend == "flashinfer":
             layer = llm.engine.model.model.layers[0]
             assert None not in (layer.one_row.qkv, layer.one_row.gate_up, layer.one_row.down), layer.one_row
+            assert (layer.one_row.o_proj is not None) == stream, layer.one_row
             assert 1 in layer.self_attn.o_proj.kernels and 1 in llm.engine.model.lm_head.kernels
         return [(o.token_ids, o.logprobs) for p in prompts for o in llm.generate([p], params)]
 
     reference = alone("torch")
-    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline: next(
-        (way for way in times if way.startswith(("gemv", "fused"))), baseline))
-    assert_same_greedy_tokens(reference, alone("flashinfer"), "one-row GEMV and fusions")
+    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline, *margin: next(
+        (way for way in times if way.startswith(("gemv", "fused")) and (stream or way != "fused stream")), baseline))
+    assert_same_greedy_tokens(reference, alone("flashinfer"), "one-row GEMV and fusions" + " (summed stream)" * stream)
 
 
 def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkeypatch):
@@ -355,7 +393,7 @@ def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkey
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 70, 300)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=3)
-    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline: next(
+    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline, *margin: next(
         (way for way in times if way.startswith(("gemv", "fused"))), baseline))
     monkeypatch.setattr(cuda_graph, "fastest", lambda graphs: "triton")
 

@@ -74,11 +74,16 @@ NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], t
 @dataclass(frozen=True)
 class OneRowFusion:
     """Kernels that run a norm with the projection after it, or SiLU-and-mul with down_proj, as one,
-    in one-row steps; runtime.few_row_gemm sets those that ran faster than the pair."""
+    in one-row steps; runtime.few_row_gemm sets those that ran faster than the pair.
+
+    With `o_proj` set the layer carries the residual stream already summed: o_proj and down_proj add
+    it in their epilogues, the norms before qkv and gate_up have no add left and run inside those
+    projections, and no norm kernel remains (all four are then set)."""
 
     qkv: NormLinear | None = None  # (h, residual, input_layernorm, qkv_proj) -> (qkv, new residual)
     gate_up: NormLinear | None = None
-    down: Callable[[torch.Tensor, nn.Module], torch.Tensor] | None = None  # (gate_up, down_proj) -> down
+    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None  # (gate_up, down_proj, add)
+    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None  # (attended, o_proj, add)
 
 
 NO_FUSION = OneRowFusion()
@@ -104,14 +109,20 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
-        """h: the previous layer's output, not yet added to `residual` (None before layer 0)."""
+        """h: the previous layer's output, not yet added to `residual` (None before layer 0, and where
+        h is the summed stream)."""
         fused = self.one_row if h.shape[0] == 1 else NO_FUSION
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
-        h = attn.o_proj(attn.attend(qkv, rope, batch, backend))
+        attended = attn.attend(qkv, rope, batch, backend)
+        if fused.o_proj is not None:  # the summed stream: no residual is handed on
+            h = fused.o_proj(attended, attn.o_proj, residual)
+            gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)
+            return fused.down(gate_up, mlp.down_proj, h), None
+        h = attn.o_proj(attended)
         gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         if fused.down is not None:
-            return fused.down(gate_up, mlp.down_proj), residual
+            return fused.down(gate_up, mlp.down_proj, None), residual
         return mlp.down_proj(mlp.ops.silu_and_mul(gate_up)), residual
 
 
@@ -147,7 +158,7 @@ class DenseForCausalLM(nn.Module):
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
-        return self.model.norm(h, residual)[0]
+        return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler widens only what it must."""
