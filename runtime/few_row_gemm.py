@@ -104,9 +104,13 @@ def _graph(calls: Callable[[], object]) -> torch.cuda.CUDAGraph:
     return graph
 
 
+def _fastest(times: dict[str, float]) -> str:
+    return min(times, key=times.__getitem__)
+
+
 def _winner(times: dict[str, float], baseline: str, margin: float = MARGIN) -> str:
     """The fastest, where it beat the baseline by the margin; else the baseline."""
-    best = min(times, key=times.__getitem__)
+    best = _fastest(times)
     return best if times[best] < margin * times[baseline] else baseline
 
 
@@ -204,7 +208,7 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
         return {}
     chosen = {name: _winner(times[name], "pair") for name in pairs}
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
-    best = {name: min((way for way in ways_ if way != "pair"), key=ways_.__getitem__) for name, ways_ in times.items()}
+    best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
     summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
     x, r = h.clone(), residual.clone()
     layer_times = cuda_graph.best_times({way: _graph(lambda f=f: _layer_projections(layers, f, x, r, attended, gate_up))
