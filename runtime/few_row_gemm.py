@@ -30,7 +30,7 @@ from torch import nn
 
 from runtime import cuda_graph
 from runtime.layers import linear_slots
-from runtime.models.dense import DecoderLayer, OneRowFusion, norm_then_linear
+from runtime.models.dense import DecoderLayer, OneRowFusion
 
 log = structlog.get_logger()
 
@@ -210,8 +210,7 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
     best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
     summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
-    x, r = h.clone(), residual.clone()
-    layer_times = cuda_graph.best_times({way: _graph(lambda f=f: _layer_projections(layers, f, x, r, attended, gate_up))
+    layer_times = cuda_graph.best_times({way: _graph(lambda f=f: _layer_projections(layers, f, h, attended))
                                          for way, f in (("as chosen", fusion), ("fused stream", summed))})
     log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
     if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
@@ -221,23 +220,9 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     return {name: way for name, way in chosen.items() if way != "pair"}
 
 
-def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, x: torch.Tensor, r: torch.Tensor,
-                       attended: torch.Tensor, gate_up: torch.Tensor) -> None:
-    """Each layer's projections and norms at one row as DecoderLayer.forward runs them under `fusion`,
-    attention left out (the same either way); every call on fixed inputs (an add-norm's in place), so
-    only the kernels count."""
+def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, h: torch.Tensor, attended: torch.Tensor) -> None:
+    """All layers' projections and norms at one row as decode runs them under `fusion`, each layer's
+    attention output fixed (attention is the same either way), so only those kernels count."""
+    residual = None
     for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        if fusion.o_proj is not None:
-            fusion.qkv(x, None, layer.input_layernorm, attn.qkv_proj)
-            fusion.o_proj(attended, attn.o_proj, x)
-            fusion.gate_up(x, None, layer.post_attention_layernorm, mlp.gate_up_proj)
-            fusion.down(gate_up, mlp.down_proj, x)
-            continue
-        (fusion.qkv or norm_then_linear)(x, r, layer.input_layernorm, attn.qkv_proj)
-        attn.o_proj(attended)
-        (fusion.gate_up or norm_then_linear)(x, r, layer.post_attention_layernorm, mlp.gate_up_proj)
-        if fusion.down is not None:
-            fusion.down(gate_up, mlp.down_proj, None)
-        else:
-            mlp.down_proj(mlp.ops.silu_and_mul(gate_up))
+        h, residual = layer.forward_with(h, residual, lambda qkv: attended, fusion)

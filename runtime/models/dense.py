@@ -108,13 +108,19 @@ class DecoderLayer(nn.Module):
         self.one_row = NO_FUSION
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: the previous layer's output, not yet added to `residual` (None before layer 0, and where
         h is the summed stream)."""
         fused = self.one_row if h.shape[0] == 1 else NO_FUSION
+        return self.forward_with(h, residual, lambda qkv: self.self_attn.attend(qkv, rope, batch, backend), fused)
+
+    def forward_with(self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor],
+                     fused: OneRowFusion) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """forward, with attention as `attend` (qkv -> attended rows) and the given fusion: start-up times
+        the layer's projections and norms this way, attention left out."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
-        attended = attn.attend(qkv, rope, batch, backend)
+        attended = attend(qkv)
         if fused.o_proj is not None:  # the summed stream: no residual is handed on
             h = fused.o_proj(attended, attn.o_proj, residual)
             gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)
