@@ -175,14 +175,19 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
 
     Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
 
+    def tiled(prefix: str, kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
+              call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+        """The kernel at each tile of the linear's shape."""
+        found: Ways = {}
+        for tile in gemv_kernel.tiles(*linear(first).weight.shape):
+            tiled_kernel = functools.partial(kernel, tile=tile)
+            found[prefix + "{}x{}".format(*tile)] = (lambda k=tiled_kernel: [call(k, layer) for layer in layers], tiled_kernel)
+        return found
+
     def ways(pair: Callable[[DecoderLayer], object], kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
              fused_call: Callable[[Callable, DecoderLayer], object]) -> Ways:
         """The pair as it stands, and the fused kernel at each tile of the linear's shape."""
-        found: Ways = {"pair": (lambda: [pair(layer) for layer in layers], None)}
-        for tile in gemv_kernel.tiles(*linear(first).weight.shape):
-            fused = functools.partial(kernel, tile=tile)
-            found["fused{}x{}".format(*tile)] = (lambda fused=fused: [fused_call(fused, layer) for layer in layers], fused)
-        return found
+        return {"pair": (lambda: [pair(layer) for layer in layers], None), **tiled("fused", kernel, linear, fused_call)}
 
     def norm_ways(norm: Callable[[DecoderLayer], nn.Module], linear: Callable[[DecoderLayer], nn.Module]) -> Ways:
         x, r = h.clone(), residual.clone()  # the pair's norm adds and normalises in place
@@ -195,11 +200,8 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
         "down": ways(lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)), gemv_kernel.silu_linear,
                      lambda layer: layer.mlp.down_proj, lambda fused, layer: fused(gate_up, layer.mlp.down_proj)),
     }
-    o_adds = {}  # o_proj with the residual add in its epilogue, at each tile
-    for tile in gemv_kernel.tiles(*first.self_attn.o_proj.weight.shape):
-        o_add = functools.partial(gemv_kernel.linear_add, tile=tile)
-        o_adds["add{}x{}".format(*tile)] = (lambda o_add=o_add: [o_add(attended, layer.self_attn.o_proj, residual)
-                                                                 for layer in layers], o_add)
+    o_adds = tiled("add", gemv_kernel.linear_add, lambda layer: layer.self_attn.o_proj,  # the residual add in o_proj's epilogue
+                   lambda o_add, layer: o_add(attended, layer.self_attn.o_proj, residual))
     try:
         times = {name: cuda_graph.best_times({way: _graph(run) for way, (run, _) in candidates.items()})
                  for name, candidates in {**pairs, "o_proj": o_adds}.items()}
