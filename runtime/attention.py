@@ -234,7 +234,7 @@ class FlashInferAttention:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
         and the next prepare waits for them too."""
-        self._planned.synchronize()
+        self.wait_for_sent()
         self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
         if isinstance(self.active, TritonDecode):
             copies = [*copies, self.active.plan(meta)]
@@ -243,6 +243,10 @@ class FlashInferAttention:
         if copies:
             self._send(copies)
         self._planned.record()
+
+    def wait_for_sent(self) -> None:
+        """Blocks until the last prepare's copies have run, so their pinned sources may be rewritten."""
+        self._planned.synchronize()
 
     def _plan_flashinfer(self, meta: AttentionMeta) -> None:
         pool = self.pool

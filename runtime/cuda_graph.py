@@ -127,8 +127,6 @@ class DecodeGraphs:
         self.staged = torch.zeros(4, max_batch_size, dtype=torch.int64, pin_memory=True)  # positions, K rows, V rows, slots
         self.staged[1:3] = torch.from_numpy(self.scratch_rows)[:, None]
         self.rows = self.staged.to(last_tokens.device)
-        self._sent = torch.cuda.Event()  # the last copy out of `staged`, which the next must not overwrite before it ran
-        self._sent.record()
 
         def forward(bs: int, batch: ForwardBatch) -> torch.Tensor:
             torch.index_select(last_tokens, 0, self.rows[3, :bs], out=self.input_ids[:bs])
@@ -174,7 +172,7 @@ class DecodeGraphs:
         """Logits [n, vocab] of a decode-only step of n sequences, and their slots on the device."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
-        self._sent.synchronize()  # the last step's copy, queued behind the step before it (three in flight: the oldest)
+        self.attention.wait_for_sent()  # the last step's copy out of `staged`, queued behind the step before it
         staged = self.staged.numpy()
         staged[:, n:bs] = 0
         staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
@@ -182,7 +180,6 @@ class DecodeGraphs:
         if bs > n:
             meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
         self.attention.prepare(meta, self.wrappers[bs], copies=[(self.staged, self.rows)])  # with the plan's, one kernel
-        self._sent.record()
         self.graphs[bs].replay()
         return self.logits[bs][:n], self.rows[3, :n]
 
