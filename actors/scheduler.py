@@ -75,6 +75,7 @@ class SchedulerActor(Actor):
         self.announce: dict[int, dict] = {}  # what the detokenizer needs with a request's first tokens
         self.timelines: dict[int, Timeline] = {}
         self.in_flight: deque[int] = deque()
+        self._publish_gauges()  # a new epoch starts empty
 
     async def run(self) -> None:
         reporter = asyncio.create_task(self._report_stats(), name="stats")
@@ -115,6 +116,7 @@ class SchedulerActor(Actor):
             self.timelines[frame.rid] = Timeline(meta["trace"], time.monotonic())
             log.info("queued", rid=meta["trace"], prompt_tokens=len(request.prompt_ids), generated=len(generated),
                      waiting=len(self.core.waiting))
+            self._publish_gauges()  # the other frames change the gauges only through _emit, which publishes them
         elif frame.kind == Kind.PING:
             await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
         elif frame.kind == Kind.FLUSH_CACHE:
@@ -130,7 +132,6 @@ class SchedulerActor(Actor):
         elif frame.kind == Kind.SAMPLED:
             self.in_flight.remove(meta["step"])
             await self._emit(self.core.update(meta["step"], results_from_wire(meta, arrays)))
-        self._publish_gauges()
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
         """One frame per step: each request's newest token, and its finish reason if it finished
