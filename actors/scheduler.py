@@ -116,7 +116,7 @@ class SchedulerActor(Actor):
             self.timelines[frame.rid] = Timeline(meta["trace"], time.monotonic())
             log.info("queued", rid=meta["trace"], prompt_tokens=len(request.prompt_ids), generated=len(generated),
                      waiting=len(self.core.waiting))
-            self._publish_gauges()  # the other frames change the gauges only through _emit, which publishes them
+            self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
         elif frame.kind == Kind.PING:
             await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
         elif frame.kind == Kind.FLUSH_CACHE:
