@@ -22,7 +22,7 @@ from runtime.cpu import default_dtype
 from runtime.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.few_row_gemm import use_few_row_gemms, use_one_row_fusion
 from runtime.loader import build_model
-from runtime.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample
+from runtime.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
 
@@ -126,9 +126,9 @@ class Engine:
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
-        """One prefill and one draw on the scratch page before serving. Kernels that build on
-        first use (flashinfer's JIT takes over a minute on a fresh machine, Triton compiles the
-        sampler) do it now, inside start-up's timeout, not under the first request's watchdog."""
+        """One prefill on the scratch page and every kind of draw before serving. Kernels that build
+        on first use (flashinfer's JIT takes over a minute on a fresh machine, Triton compiles the
+        sampler) do it now, inside start-up's timeout, not under a request's watchdog."""
         n = min(8, self.config.page_size)
         positions = np.arange(n, dtype=np.int64)
         meta = AttentionMeta(np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32),
@@ -137,8 +137,9 @@ class Engine:
         batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions),
                              self._to_device(rows), meta)
         self.attention.prepare(meta)
-        logits = self.model.logits(self.model(batch, self.attention)[-1:])
-        sample(logits, [SampleRow(SamplingParams(), 0, n, [], [])]).tokens.tolist()
+        warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def _pool_pages(self) -> int:
         """--num-pages, else on CUDA what is left of mem_fraction of the device after the weights."""

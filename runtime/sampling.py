@@ -180,6 +180,27 @@ def sample(logits: torch.Tensor, rows: list[SampleRow], feedback: Feedback | Non
     return result
 
 
+DRAW_KINDS = (SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0, logprobs=1), SamplingParams(top_k=2))
+
+
+def warm_up_draws(logits: torch.Tensor, last_tokens: torch.Tensor) -> None:
+    """Makes every kind of draw a step makes, from one row of logits [1, vocab]: greedy or not, in
+    the model's dtype or in fp32 (after a filter, or for log-probabilities), by one row and by many.
+    The Triton kernel builds a variant for each on first use: at start-up that is free, under a
+    request it is not (the first greedy request after sampled ones waited 100 ms for its variant on
+    the H200). Writes last_tokens[0], which no sequence holds yet."""
+    counts = [1]
+    if logits.is_cuda and _KERNEL is not None:
+        from runtime.sampling_kernel import FEW_ROWS
+
+        counts.append(FEW_ROWS + 1)
+    for rows in counts:
+        feedback = Feedback(last_tokens, torch.zeros(rows, dtype=torch.int64, device=logits.device),
+                            torch.empty(rows, dtype=torch.int64, pin_memory=logits.is_cuda))
+        for params in DRAW_KINDS:
+            sample(logits.repeat(rows, 1), [SampleRow(params, 0, 0, [], [])] * rows, feedback)
+
+
 def logprob_dicts(sample: Sample, rows: list[SampleRow], tokens: list[int]) -> list[dict[int, float] | None]:
     """Host-side: each row's top-N log-probabilities, with the drawn token's always present."""
     out: list[dict[int, float] | None] = [None] * len(rows)

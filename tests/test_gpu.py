@@ -257,21 +257,38 @@ def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, no
     assert torch.equal(got[:, heads * 128 :], qkv[:, heads * 128 :])  # K and V rows of qkv are left as they came
 
 
-def test_eager_steps_of_any_size_reuse_the_warm_up_rope_kv_variant(tmp_path):
-    """Triton compiles a kernel variant per argument class; one compiled mid-serving stalled a step
-    87 ms on the H200. Prefills of 1, 7, 16 and 37 tokens and eager decodes must add none."""
-    from runtime.rope_kv_kernel import _rope_kv_kernel
+def kernels_built_while_serving(model_dir: str, cuda_graph_max_bs: int) -> list[str]:
+    """In a fresh process (earlier tests' builds stay in theirs): start an engine, then serve what a
+    server sees, recording each Triton kernel variant built meanwhile."""
+    from triton import knobs
 
-    caches = getattr(_rope_kv_kernel, "device_caches", None)
-    if caches is None:
-        pytest.skip("this Triton keeps its compiled variants elsewhere")
-    variants = lambda: sum(len(entry[0]) for entry in caches.values())  # noqa: E731
-    llm = LLM(build("qwen3", tmp_path, head_dim=128), device="cuda", attention_backend="flashinfer", cuda_graph_max_bs=0,
-              page_size=PAGE, num_pages=256)
-    after_warm_up = variants()
-    for n in (1, 7, 16, 37):
+    llm = LLM(model_dir, device="cuda", attention_backend="flashinfer", cuda_graph_max_bs=cuda_graph_max_bs,
+              page_size=PAGE, num_pages=512)
+    built = []
+    knobs.runtime.jit_post_compile_hook = lambda **info: built.append(info["repr"])
+    for n in (1, 7, 16, 37):  # eager prefills of every alignment
         llm.generate([list(range(3, 3 + n))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    assert after_warm_up >= 1 and variants() == after_warm_up
+    kinds = ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 0, "logprobs": 2}, {"top_p": 0.9},
+             {"repetition_penalty": 1.2})
+    shared = list(range(3, 40))
+    for kind in kinds:  # each kind of draw, alone and among twenty; after the first, over a cached prefix
+        for batch in ([shared], [shared + [i] for i in range(20)]):
+            llm.generate(batch, SamplingParams(max_tokens=4, seed=1, ignore_eos=True, **kind))
+    return built
+
+
+@pytest.mark.parametrize("cuda_graph_max_bs", [0, 32])
+def test_serving_builds_no_triton_kernel_after_start_up(tmp_path, cuda_graph_max_bs):
+    """Triton builds a kernel variant per argument class on first use, and one built mid-serving
+    stalls its step: the rope and KV write once stalled a prefill 87 ms on the H200, and a first
+    greedy draw after sampled ones waited 100 ms. Start-up's warm-up builds every variant serving
+    takes."""
+    import multiprocessing
+
+    model_dir = str(build("qwen3", tmp_path, head_dim=128))
+    with multiprocessing.get_context("spawn").Pool(1) as fresh:
+        built = fresh.apply(kernels_built_while_serving, (model_dir, cuda_graph_max_bs))
+    assert not built, built
 
 
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
