@@ -138,7 +138,7 @@ class Engine:
                              self._to_device(rows), meta)
         self.attention.prepare(meta)
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
-        if self.device.type == "cuda":
+        if self.device.type == "cuda":  # a kernel's fault surfaces here, and the draws' pinned buffers are done with
             torch.cuda.synchronize(self.device)
 
     def _pool_pages(self) -> int:

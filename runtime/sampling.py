@@ -185,10 +185,11 @@ DRAW_KINDS = (SamplingParams(temperature=0), SamplingParams(), SamplingParams(te
 
 def warm_up_draws(logits: torch.Tensor, last_tokens: torch.Tensor) -> None:
     """Makes every kind of draw a step makes, from one row of logits [1, vocab]: greedy or not, in
-    the model's dtype or in fp32 (after a filter, or for log-probabilities), by one row and by many.
-    The Triton kernel builds a variant for each on first use: at start-up that is free, under a
-    request it is not (the first greedy request after sampled ones waited 100 ms for its variant on
-    the H200). Writes last_tokens[0], which no sequence holds yet."""
+    the model's dtype or in fp32 (after a filter, or for log-probabilities), by one row and by many,
+    each feeding its token back as a step's does. The Triton kernel builds a variant for each on
+    first use: at start-up that is free, under a request it is not (the first greedy request after
+    sampled ones waited 100 ms for its variant on the H200; one draw without feedback had warmed a
+    variant no step takes). Writes last_tokens[0], which no sequence holds yet."""
     counts = [1]
     if logits.is_cuda and _KERNEL is not None:
         from runtime.sampling_kernel import FEW_ROWS
