@@ -15,6 +15,7 @@ from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.engine import Engine, PendingStep
+from runtime.gc_pauses import freeze_startup_heap
 from runtime.model_source import load_tokenizer, resolve_model_dir
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler import Request, Scheduler
@@ -39,6 +40,10 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
         self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()
+        # what start-up built (torch, transformers, the model) lives as long as the process: out of every
+        # later collection, as in each actor. Unfrozen, a full collection stopped launches for 211 ms in one
+        # of six offline rounds on the H200, at Qwen3-0.6B (benchmarks/results/h200-probe-session25.log)
+        freeze_startup_heap()
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
