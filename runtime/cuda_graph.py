@@ -124,9 +124,7 @@ class DecodeGraphs:
         self.page_size = attention.pool.page_size
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=last_tokens.device)
         self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
-        # positions, K rows, V rows, slots; an even width keeps every row 16-byte aligned, as the draw's
-        # warm-up slots are (Triton builds a kernel variant per pointer alignment)
-        self.staged = torch.zeros(4, max_batch_size + max_batch_size % 2, dtype=torch.int64, pin_memory=True)
+        self.staged = torch.zeros(4, max_batch_size, dtype=torch.int64, pin_memory=True)  # positions, K rows, V rows, slots
         self.staged[1:3] = torch.from_numpy(self.scratch_rows)[:, None]
         self.rows = self.staged.to(last_tokens.device)
 

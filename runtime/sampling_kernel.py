@@ -33,7 +33,8 @@ def _mix32(x):
     return x ^ (x >> 16)
 
 
-@triton.jit
+@triton.jit(do_not_specialize_on_alignment=["last_tokens_ptr", "slots_ptr", "host_ptr"])  # each moves one token a row:
+# one variant whatever the caller's alignment (a slots row 8 bytes into a staging buffer had built four mid-serving)
 def _gumbel_argmax_kernel(scores_ptr, stride, temperatures_ptr, keys_ptr, best_ptr, best_id_ptr, arrivals_ptr, tokens_ptr,
                           last_tokens_ptr, slots_ptr, host_ptr, vocab, chunks, NOISE: tl.constexpr, FEEDBACK: tl.constexpr,
                           BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr):

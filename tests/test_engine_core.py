@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import weakref
 
 import numpy as np
 import pytest
@@ -250,3 +251,14 @@ def test_sizes_that_could_never_run_are_refused(field, value, tiny_model):
     done = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", flag, str(value), "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"error: {field}" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_dropped_llm_is_freed_though_its_start_up_froze_it(tiny_model):
+    """LLM moves what its start-up built, itself included, out of the collector's reach: only reference
+    counting can free it then, so it must sit in no reference cycle, or dropping it would keep its
+    weights and KV pool for the rest of the process."""
+    llm = LLM(tiny_model("llama"), dtype="float32", page_size=16)
+    llm.generate(random_prompts(3, range(4, 20), seed=8), GREEDY)
+    engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.pool.kv[0])
+    del llm
+    assert engine() is None and pool() is None

@@ -294,6 +294,25 @@ def test_serving_builds_no_triton_kernel_after_start_up(tmp_path, graphs):
     assert not built, built
 
 
+def test_a_dropped_llm_gives_its_device_memory_back(tmp_path):
+    """As on CPU (test_engine_core): start-up freezes the LLM out of the collector's reach, so nothing the
+    CUDA path adds (graphs, flashinfer's wrappers, few-row kernels, pinned staging) may hold it in a cycle."""
+    import gc
+    import weakref
+
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    gc.collect()
+    before = torch.cuda.memory_allocated()
+    llm = LLM(model_dir, device="cuda", attention_backend="flashinfer", page_size=PAGE, num_pages=512)
+    llm.generate([list(range(3, 40)), [5, 6]], SamplingParams(max_tokens=8, temperature=0.7, ignore_eos=True))
+    held = torch.cuda.memory_allocated() - before
+    engine = weakref.ref(llm.engine)
+    del llm
+    left = torch.cuda.memory_allocated() - before
+    print(f"an LLM held {held / 2**20:.1f} MiB of device memory; {left / 2**20:.1f} MiB stayed after it was dropped")
+    assert engine() is None and left < held / 100
+
+
 def close(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
     error = (got.float() - want.float()).norm() / want.float().norm()
     assert error < 1e-2, (what, float(error))
