@@ -29,6 +29,7 @@ from api.app import Overloaded, build_app
 from api.protocol import ApiError
 from runtime.config import ModelConfig
 from transport.codec import unpack
+from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
 SCHEDULER_GAUGES = ("used_pages", "total_pages", "running", "waiting", "cached_pages")
@@ -134,7 +135,11 @@ class ApiWorker(Actor):
     # -- the Gateway the app talks to ---------------------------------------------------------
 
     def check_capacity(self, count: int) -> None:
-        """Refuse at once, before any work, when `count` more requests would not fit."""
+        """Refuse at once, before any work, when `count` more requests would not fit: for now (Overloaded,
+        a 503 worth retrying), or ever (a 400: a retry would be refused again)."""
+        if count > self.capacity:
+            raise ApiError(f"the request asks for {count} completions (prompts x n), more than the {self.capacity} "
+                           "this server runs and queues at once", param="n")
         if self.control.draining:
             raise Overloaded("the server is shutting down")
         if sum(self.control.slots[i]["gauges"][LIVE_GAUGE] for i in self._workers) + count > self.capacity:
@@ -148,8 +153,10 @@ class ApiWorker(Actor):
         self.slot["gauges"][LIVE_GAUGE] = len(self.live)
         try:
             await self.send("tokenizer", Kind.SUBMIT, rid, meta, [ids] if ids is not None else ())
-        except BaseException:  # cancelled by a client that left, or too large for the ring
+        except BaseException as exc:  # cancelled by a client that left, or too large for the ring
             self._forget(rid)
+            if isinstance(exc, PayloadTooLarge):  # a prompt of megabytes: a body may outgrow the ring
+                raise ApiError(f"the prompt is too large to tokenize here: {exc}", 413, param="prompt") from None
             raise
         return rid
 

@@ -168,9 +168,10 @@ class Handlers:
     def _request_id(self, request: web.Request, c: Completion) -> str:
         """The client's X-Request-Id, with a suffix when this worker has seen it recently (a
         reused id would merge two requests' traces); else the id of the response body. The
-        response echoes it, and the body's id carries it too, as in vLLM."""
+        response echoes it, and the body's id carries it too, as in vLLM. An id that is not printable
+        (aiohttp hands bytes that are not UTF-8 over as surrogates, which are not) is replaced."""
         wanted = request.headers.get("X-Request-Id", "").strip()[:MAX_REQUEST_ID]
-        if not wanted:
+        if not wanted or not wanted.isprintable():
             return envelope(c, chunk=False)["id"]
         rid = wanted if wanted not in self._seen_ids else f"{wanted}-{next(self._suffixes)}"
         self._seen_ids[rid] = None

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+GREEDY_BELOW = 1e-5  # temperatures under this draw greedily, as in vLLM: logits / 1e-38 overflow float32 to inf
 
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
-    temperature: float = 1.0  # 0: greedy
+    temperature: float = 1.0  # 0 (or below GREEDY_BELOW): greedy
     top_p: float = 1.0
     top_k: int = -1  # -1 or 0: off
     min_p: float = 0.0
@@ -38,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
     @property
     def filters(self) -> bool:

@@ -2,9 +2,10 @@
 
 Covered: broken JSON and bytes (truncated, garbage, quotes, NaN, BOM, depth, invalid UTF-8, lone
 surrogates, a body that claims gzip, deflate or br), bodies that are not objects, the model field, chat messages
-and content parts, completion prompts (types, token ids outside the vocabulary, over the context),
-max_tokens, every sampling field on both endpoints, logprobs, stop, streaming flags, a body over
-8 MiB, wrong methods and routes. Each case must answer its 4xx status with a JSON body
+and content parts, completion prompts (types, token ids outside the vocabulary, over the context, over
+the 4 MiB ring to the tokenizer), more completions than the server can ever hold, max_tokens, every
+sampling field on both endpoints, logprobs, stop, streaming flags, a body over 8 MiB, wrong methods
+and routes. Each case must answer its 4xx status with a JSON body
 {"error": {"message": non-empty str, "type": str, ...}}: a client's mistake must never surface as
 a 5xx, a hang, a plain-text page, or an accepted request. Then all cases at once, after which the
 server must still be up and answer a real question.
@@ -63,6 +64,7 @@ class Case:
 
 LONG_TEXT = " ".join(["word"] * 40_000)
 OVER_8_MIB = b'{"model": "@MODEL", "prompt": "' + b"a" * (9 << 20) + b'"}'
+FIVE_MIB = "a" * (5 << 20)  # under the body limit, over the ring that carries a prompt to the tokenizer
 ENDPOINTS = {"chat": (CHAT, chat), "completions": (COMPLETIONS, completion)}
 
 # Fields both endpoints validate alike: (id, field, bad value).
@@ -132,6 +134,8 @@ CASES: list[Case] = [
     Case("prompt-9000-ids", COMPLETIONS, completion(prompt=[1] * 9000)),
     Case("prompt-40000-words", COMPLETIONS, completion(prompt=LONG_TEXT)),
     Case("prompt-plus-max_tokens-over-context", COMPLETIONS, completion(prompt=[1] * (CONTEXT - 192), max_tokens=500)),
+    Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB), 413), Case("content-5-MiB", CHAT, user(FIVE_MIB), 413),
+    Case("prompts-times-n-over-capacity", COMPLETIONS, completion(prompt=["hi"] * 21, n=64)),  # 1,344 > 256 running + 1,024 queued
     # max_tokens and logprobs, endpoint-specific.
     Case("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0)),
     Case("max_tokens-string-beside-max_completion_tokens", CHAT, chat(max_completion_tokens=2, max_tokens="abc")),
@@ -195,3 +199,17 @@ async def test_all_at_once_then_the_server_still_answers(smol_server) -> None:
     wrong = {c.id: r if isinstance(r, BaseException) else (r[0], r[1][:200])
              for c, r in zip(CASES, replies) if isinstance(r, BaseException) or not 400 <= r[0] < 500}
     assert not wrong, f"{len(wrong)} of {len(CASES)} bad requests got no 4xx together: {wrong}"
+
+
+async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
+    """Header bytes that are not UTF-8 reach the app as surrogates, which no log line or JSON body can
+    carry: the request is served under an id of the server's own."""
+    body = orjson.dumps({"model": smol_server.model, "prompt": "hi", "max_tokens": 2})
+    reader, writer = await asyncio.open_connection("127.0.0.1", smol_server.port)
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: \xff\xfe\r\n"
+                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    reply = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    head, _, answer = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200"), reply[:300]
+    assert orjson.loads(answer)["id"].encode() in head  # the id it chose, echoed in X-Request-Id

@@ -262,3 +262,13 @@ def test_a_dropped_llm_is_freed_though_its_start_up_froze_it(tiny_model):
     engine, pool = weakref.ref(llm.engine), weakref.ref(llm.engine.pool.kv[0])
     del llm
     assert engine() is None and pool() is None
+
+
+def test_temperatures_too_small_for_float32_draw_greedily(tiny_model):
+    """Logits over 1e-38 overflow float32 to inf, and the draw took the first token id that did. Below vLLM's
+    1e-5 a temperature draws greedily."""
+    llm = LLM(tiny_model("llama"), dtype="float32", page_size=16)
+    prompts = random_prompts(2, range(5, 12), seed=9)
+    greedy = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    tiny = SamplingParams(max_tokens=24, temperature=1e-38, ignore_eos=True, seed=3)
+    assert [o.token_ids for o in llm.generate(prompts, tiny)] == greedy

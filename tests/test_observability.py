@@ -126,6 +126,16 @@ def test_json_log_lines_take_fields_with_integer_keys():
     assert out.returncode == 0 and orjson.loads(out.stderr.strip().splitlines()[-1])["padded_to"] == {"1": 8}, out.stderr
 
 
+def test_json_log_lines_carry_the_traceback_of_log_exception():
+    """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true."""
+    code = ("from runtime.logs import configure_logging; import structlog; configure_logging('probe')\n"
+            "try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    line = orjson.loads(out.stderr.strip().splitlines()[-1])
+    assert out.returncode == 0 and "missing-key" in orjson.dumps(line["exception"]).decode(), out.stderr
+
+
 def test_console_log_format():
     code = "from runtime.logs import configure_logging; import structlog; configure_logging('probe'); " \
            "structlog.get_logger().info('hello', rid='r1')"

@@ -48,6 +48,10 @@ def frame_size(length: int) -> int:
     return (HEADER.size + length + 7) & ~7
 
 
+class PayloadTooLarge(ValueError):
+    """A payload no wait could make room for: its frame is larger than the whole ring."""
+
+
 def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
@@ -178,7 +182,7 @@ class RingWriter(_End):
 
     def _check_fits(self, length: int) -> None:
         if frame_size(length) > self.capacity:
-            raise ValueError(f"a {length}-byte payload cannot fit a {self.capacity}-byte ring")
+            raise PayloadTooLarge(f"a {length}-byte payload cannot fit a {self.capacity}-byte ring")
 
     def reserve(self, length: int, timeout: float | None = None) -> memoryview:
         """Space for a payload, written in place; publish it with `commit`."""
