@@ -169,7 +169,8 @@ class Handlers:
         """The client's X-Request-Id, with a suffix when this worker has seen it recently (a
         reused id would merge two requests' traces); else the id of the response body. The
         response echoes it, and the body's id carries it too, as in vLLM. An id that is not printable
-        (aiohttp hands bytes that are not UTF-8 over as surrogates, which are not) is replaced."""
+        is replaced: aiohttp hands header bytes that are not UTF-8 over as surrogates, which no log
+        line or JSON body can carry."""
         wanted = request.headers.get("X-Request-Id", "").strip()[:MAX_REQUEST_ID]
         if not wanted or not wanted.isprintable():
             return envelope(c, chunk=False)["id"]

@@ -6,6 +6,7 @@ from dataclasses import asdict, dataclass
 
 GREEDY_BELOW = 1e-5  # temperatures under this draw greedily, as in vLLM: logits / 1e-38 overflow float32 to inf
 
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
