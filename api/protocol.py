@@ -51,6 +51,9 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, ch
     value = body.get(name, default)
     if value is None:
         return default
+    if int in kinds and float not in kinds and isinstance(value, float) and abs(value) >= 2**63:
+        # orjson reads an integer literal past 64 bits as a float: say so, not that an integer was expected
+        raise ApiError(f"'{name}' must be an integer of at most 64 bits", param=name)
     if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
         names = " or ".join(k.__name__.replace("str", "string").replace("int", "integer").replace("float", "number") for k in kinds)
         raise ApiError(f"'{name}' must be {names}", param=name)

@@ -201,6 +201,17 @@ async def test_all_at_once_then_the_server_still_answers(smol_server) -> None:
     assert not wrong, f"{len(wrong)} of {len(CASES)} bad requests got no 4xx together: {wrong}"
 
 
+async def test_integers_past_64_bits_are_named_as_such(smol_server) -> None:
+    """orjson reads an integer literal past 64 bits as a float; the error names the size, not the type."""
+    async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT) as http:
+        for name in ("seed", "max_tokens", "n", "top_k"):
+            body = b'{"model": "%s", "prompt": "hi", "%s": %d}' % (smol_server.model.encode(), name.encode(), 2**70)
+            async with http.post(COMPLETIONS, data=body, headers={"Content-Type": "application/json"}) as reply:
+                error = (await reply.json())["error"]
+                assert (reply.status, error["param"]) == (400, name), error
+                assert "64 bits" in error["message"], error
+
+
 async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
     """Header bytes that are not UTF-8 reach the app as surrogates, which no log line or JSON body can
     carry: the request is served under an id of the server's own."""
