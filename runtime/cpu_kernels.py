@@ -10,6 +10,7 @@ False and the CPU path runs on torch's ops alone.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 from functools import cache
@@ -46,9 +47,15 @@ def available() -> bool:
     try:
         from torch.utils.cpp_extension import load
 
-        # a file lock in the folder lets one process of many build it; the others wait, then load it
-        load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
-             build_directory=str(build_directory()))
+        folder = build_directory()
+        # one process of many builds it, the others wait, then load it. torch's own baton (a file named
+        # "lock") outlives a build that was killed, and every later start had waited on it forever; a
+        # flock goes with its process, so under one any baton left in the folder is stale
+        with open(folder / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (folder / "lock").unlink(missing_ok=True)
+            load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
+                 build_directory=str(folder))
     except Exception as exc:  # no compiler, no ninja, a torch without headers: the torch path still works
         lines = str(exc).splitlines() or [type(exc).__name__]
         log.warning("cpu_kernels_unavailable", error=next((line for line in lines if "error" in line), lines[0])[:300])

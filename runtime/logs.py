@@ -7,6 +7,10 @@ copies the context into each task, so an epoch bound in one task would not reach
 Request events pass their `rid` explicitly. Timestamps are wall-clock (CLOCK_REALTIME, one clock
 for every process of the machine) with microseconds, so `ringllm trace` can order events across
 actors.
+
+A log line never raises: once stderr cannot be written (a pipe whose reader died, a closed
+terminal), it points at /dev/null. A log call that raised had broken off its caller: a supervisor's
+stop, before it killed a hung actor and removed the segments, or an actor, into a crash loop.
 """
 
 from __future__ import annotations
@@ -30,6 +34,27 @@ def _add_process_fields(logger, method: str, event: dict) -> dict:
     return {**_PROCESS_FIELDS, **event}
 
 
+class _Stderr:
+    """stderr (its text or its byte stream) for structlog's loggers, turned to /dev/null at its first failed write."""
+
+    def __init__(self, stream) -> None:
+        self._stream = stream
+
+    def write(self, data) -> None:
+        self._guarded(self._stream.write, data)
+
+    def flush(self) -> None:
+        self._guarded(self._stream.flush)
+
+    def _guarded(self, call, *args) -> None:
+        try:
+            call(*args)
+        except OSError:
+            sink = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(sink, self._stream.fileno())  # what stays buffered, and every later write, go there
+            os.close(sink)
+
+
 LOG_FORMATS = ("json", "console")
 
 
@@ -48,7 +73,8 @@ def configure_logging(actor: str, level: str | None = None) -> None:
                 structlog.processors.JSONRenderer(serializer=orjson.dumps, option=orjson.OPT_NON_STR_KEYS)]),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.WriteLoggerFactory(sys.stderr) if console else structlog.BytesLoggerFactory(sys.stderr.buffer),
+        logger_factory=(structlog.WriteLoggerFactory(_Stderr(sys.stderr)) if console
+                        else structlog.BytesLoggerFactory(_Stderr(sys.stderr.buffer))),
         cache_logger_on_first_use=True,
     )
     bind_process(actor=actor, pid=os.getpid())

@@ -5,6 +5,8 @@ parity with transformers (test_parity.py) runs through them too, wherever they b
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -14,6 +16,7 @@ import torch.nn.functional as F
 from runtime import cpu_kernels
 from runtime.attention import AttentionMeta, ForwardBatch, KVPool, TorchAttention
 from runtime.cpu import SKINNY_ROWS, SkinnyLinear, cpuinfo, prepack_linears
+from tests.conftest import ROOT
 
 BUILDS_HERE = {"avx2", "fma"} <= set(cpuinfo("flags").split()) and shutil.which("c++") is not None
 pytestmark = pytest.mark.skipif(not BUILDS_HERE, reason="needs AVX2, FMA and a C++ compiler")
@@ -21,6 +24,21 @@ pytestmark = pytest.mark.skipif(not BUILDS_HERE, reason="needs AVX2, FMA and a C
 
 def test_the_kernels_build_and_load():
     assert cpu_kernels.available()
+
+
+def test_a_build_killed_midway_does_not_block_later_loads():
+    """torch's build baton (a file named "lock" in the build folder) outlives a process killed while it held
+    it, and every later start of the engine had waited on it forever."""
+    assert cpu_kernels.available()
+    baton = cpu_kernels.build_directory() / "lock"
+    baton.touch()
+    try:
+        loaded = subprocess.run([sys.executable, "-c", "from runtime import cpu_kernels; print(cpu_kernels.available())"],
+                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert loaded.stdout.strip() == "True", loaded.stderr
+        assert not baton.exists()
+    finally:
+        baton.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])

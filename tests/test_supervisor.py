@@ -8,14 +8,16 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import orjson
 import psutil
 import pytest
 
-from tests.conftest import ringllm, wait_for
+from tests.conftest import ROOT, RunningSupervisor, ringllm, wait_for
 from tests.probe_actors import report_path
-from transport.segment import list_segments, server_prefix
+from benchmarks.server import stop_with_parent
+from transport.segment import list_segments, remove_segments, server_prefix
 
 CHAIN = "tests.probe_actors:chain"
 
@@ -143,3 +145,29 @@ def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
     }
     print("idle CPU % of a core, by pid (actors, then supervisor):", usage)
     assert all(pct < 2.0 for pct in usage.values()), usage
+
+
+def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path, monkeypatch):
+    """A server's stderr is often a pipe (`| tee`, a parent that captures it). With its reader gone, each
+    log line had raised BrokenPipeError: a stop with a hung actor to kill broke off at its log line, before
+    the kill and the sweep, and the supervisor then waited on its live actors forever."""
+    monkeypatch.setenv("RINGLLM_PROBE_DIR", str(tmp_path))
+    proc = subprocess.Popen([sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=stop_with_parent)
+    sup = RunningSupervisor(server, proc, Path(os.devnull))
+    try:
+        seen = b""
+        while b'"topology_ready"' not in seen:
+            chunk = proc.stderr.read1()
+            assert chunk, seen.decode(errors="replace")  # it ended before it was ready
+            seen += chunk
+        pids = [row["pid"] for row in sup.status()]
+        os.kill(sup.actor("echo")["pid"], signal.SIGSTOP)  # hung: the stop must kill it
+        proc.stderr.close()
+        assert sup.stop(signal.SIGINT, timeout=30) == 0
+        wait_for(lambda: not any(psutil.pid_exists(pid) for pid in pids), 10, "every actor to be gone")
+        assert not list_segments(server_prefix(server))
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        remove_segments(server_prefix(server))
