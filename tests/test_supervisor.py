@@ -14,9 +14,9 @@ import orjson
 import psutil
 import pytest
 
+from benchmarks.server import stop_with_parent
 from tests.conftest import ROOT, RunningSupervisor, ringllm, wait_for
 from tests.probe_actors import report_path
-from benchmarks.server import stop_with_parent
 from transport.segment import list_segments, remove_segments, server_prefix
 
 CHAIN = "tests.probe_actors:chain"
