@@ -24,9 +24,9 @@ from aiohttp import web
 from actors.base import Actor
 from actors.control import ActorState
 from actors.kinds import Kind, make_rid
-from actors.pipeline import LIVE_GAUGE
+from actors.pipeline import LIVE_GAUGE, TOKEN_BYTES_GAUGE
 from api.app import Overloaded, build_app
-from api.protocol import ApiError
+from api.protocol import ApiError, Limits
 from runtime.config import ModelConfig
 from transport.codec import unpack
 from transport.ring import PayloadTooLarge
@@ -51,9 +51,12 @@ class ApiWorker(Actor):
         serve = self.options["serve"]
         self.worker = self.options["worker"]
         self.served_model = serve.served_model_name
-        self.max_model_len = ModelConfig.load(Path(serve.model_dir)).max_position
+        model = ModelConfig.load(Path(serve.model_dir))
+        self.max_model_len, self.vocab_size = model.max_position, model.vocab_size
+        self._tokenizer_slot = self.control.index("tokenizer")
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
         self.request_timeout = serve.request_timeout
+        self.body_timeout = serve.body_timeout
         self.live: dict[int, LiveRequest] = {}
         self._counter = itertools.count(1)
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
@@ -176,6 +179,10 @@ class ApiWorker(Actor):
                            kind="server_error") from None
         finally:
             self._flushes.pop(rid, None)
+
+    def limits(self) -> Limits:
+        token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TOKEN_BYTES_GAUGE])  # 0 until it has loaded
+        return Limits(self.max_model_len, self.vocab_size, token_bytes)
 
     def healthy(self) -> bool:
         ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining

@@ -9,7 +9,7 @@ request can be rebuilt from token ids, so a replay restores it.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import structlog
 from tokenizers.decoders import DecodeStream
@@ -17,6 +17,7 @@ from tokenizers.decoders import DecodeStream
 from actors.base import Actor
 from actors.kinds import Kind, worker_of
 from runtime.model_source import load_tokenizer
+from runtime.stop_matcher import StopMatcher
 from transport.codec import unpack
 
 log = structlog.get_logger()
@@ -28,15 +29,14 @@ class Stream:
     skip_special_tokens: bool
     top_logprobs: int
     decoder: DecodeStream
-    held: str = ""  # text that may be the start of a stop string
+    held: str = ""  # text that may be the start of a stop string, already fed to `matcher`
     completion_tokens: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
+    matcher: StopMatcher | None = field(init=False)  # None without stop strings: nothing to pay
 
-
-def held_back(text: str, stops: list[str]) -> int:
-    """How many trailing characters of `text` could begin a stop string."""
-    return max((k for s in stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0)
+    def __post_init__(self) -> None:
+        self.matcher = StopMatcher(self.stop) if self.stop else None
 
 
 class DetokenizerActor(Actor):
@@ -99,12 +99,15 @@ class DetokenizerActor(Actor):
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
         stream.completion_tokens += len(new)
         shown = new[:-1] if finish == "stop" and new else new  # the stop token (EOS or a stop id) leaves no text, as in vLLM
-        text = stream.held + "".join(self._text_of(stream, token) for token in shown)
-        if (cut := min((i for s in stream.stop if (i := text.find(s)) >= 0), default=-1)) >= 0:
-            text, finish = text[:cut], "stop"
+        released = "".join(self._text_of(stream, token) for token in shown)
+        if stream.matcher is None:
+            return released, finish
+        text = stream.held + released  # the held text was fed already: feed only what is new
+        if (start := stream.matcher.feed(released)) is not None:
+            text, finish = text[: len(stream.held) + start], "stop"
             stream.held = ""
         elif finish is None:
-            keep = held_back(text, stream.stop)
+            keep = stream.matcher.held
             text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
         return text, finish
 

@@ -9,6 +9,7 @@ from runtime.config import EngineConfig
 
 LIVE_GAUGE = 0  # an api worker's live requests: summed across workers for admission, awaited on drain
 POOL_GAUGE = 0  # the engine's KV pool in pages: the scheduler's page table is sized from it
+TOKEN_BYTES_GAUGE = 0  # the tokenizer's longest token in bytes: api workers refuse longer prompts unencoded
 
 
 @dataclass(frozen=True)
@@ -20,6 +21,7 @@ class ServeConfig:
     api_workers: int = 1
     max_queued_requests: int = 1024  # beyond running + queued, new requests get a 503 at once
     request_timeout: float | None = None  # seconds a request may take, queueing included
+    body_timeout: float = 30.0  # seconds a client may take to send a request's body; then a 408, and the connection closes
     watchdog_timeout: float = 60.0  # an engine step with no progress for this long is a crash
     engine: EngineConfig = field(default_factory=EngineConfig)
 

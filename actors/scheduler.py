@@ -29,6 +29,7 @@ from transport.ring import Frame
 
 log = structlog.get_logger()
 STATS_INTERVAL_S = 10.0
+TOKENS_FRAME_IDS = 1 << 16  # token ids (replays' earlier ones included) a TOKENS frame carries: < 1 MB of JSON
 
 
 @dataclass
@@ -134,18 +135,27 @@ class SchedulerActor(Actor):
             await self._emit(self.core.update(meta["step"], results_from_wire(meta, arrays)))
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
-        """One frame per step: each request's newest token, and its finish reason if it finished
-        (without a token: it was aborted, or outgrew the KV pool while being planned)."""
+        """A frame per step: each request's newest token, and its finish reason if it finished
+        (without a token: it was aborted, or outgrew the KV pool while being planned). Replays
+        carry their earlier tokens too, so a step of many is split across frames."""
         if not requests:
             return
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
-        items, tokens = [], []
+        frames: list[tuple[list[dict], list[int]]] = []
+        ids_in_frame = TOKENS_FRAME_IDS
         for request in requests:
             item = {"rid": request.rid, "finish": request.finish_reason}
+            ids = 1
             if request.rid in self.announce:  # first tokens: what the detokenizer must know
                 item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
                             cached_tokens=request.cached_tokens)
+                ids += len(item["detok"]["generated"])
                 self._on_prefilled(request)
+            if ids_in_frame + ids > TOKENS_FRAME_IDS:
+                frames.append(([], []))
+                ids_in_frame = 0
+            ids_in_frame += ids
+            items, tokens = frames[-1]
             if request.finish_reason is not None:
                 self._on_finished(request)
             if request.finish_reason == "abort" or not with_token:
@@ -156,10 +166,10 @@ class SchedulerActor(Actor):
                 if request.params.logprobs is not None:
                     item["logprobs"] = list(request.logprobs[-1].items())
             items.append(item)
-        if tokens:
+        for items, tokens in frames:
             self.m_generation_tokens.inc(len(tokens))
             self.window.generation_tokens += len(tokens)
-        await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens], epoch=epoch)
+            await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens], epoch=epoch)
 
     # -- observability --------------------------------------------------------------------------
 

@@ -228,19 +228,23 @@ class Supervisor:
         self._restart_at[index] = time.monotonic() + delay
 
     def _kill_hung(self) -> None:
+        """Kill an actor not ready after ready_timeout_s, a ready one whose heartbeat is older than
+        hang_timeout_s, and one with a watchdog whose progress stamp is older than watchdog_s: the
+        watchdog can only make a kill come sooner, never later."""
         now = time.monotonic()
         for index, proc in self._procs.items():
             slot, watchdog = self.control.slots[index], self.topology.actors[index].watchdog_s
-            ready = slot["state"] == ActorState.READY
-            age = now - (float(slot["heartbeat"]) if ready else self._started_at[index])
-            limit = self.config.hang_timeout_s if ready else self.config.ready_timeout_s
-            if ready and watchdog is not None:
-                limit = watchdog
-                if progress := float(slot["gauges"][PROGRESS_GAUGE]):
-                    age = max(age, now - progress)
-            if age > limit:
-                log.warning("actor_hung", child=self._name(index), pid=proc.pid, silent_s=round(age, 3))
-                proc.kill()  # its sentinel fires on the next wait and restarts it
+            if slot["state"] != ActorState.READY:
+                checks = [("ready_timeout", self._started_at[index], self.config.ready_timeout_s)]
+            else:
+                checks = [("hang_timeout", float(slot["heartbeat"]), self.config.hang_timeout_s)]
+                if watchdog is not None and (progress := float(slot["gauges"][PROGRESS_GAUGE])):
+                    checks.append(("watchdog", progress, watchdog))
+            for limit, since, limit_s in checks:
+                if (age := now - since) > limit_s:
+                    log.warning("actor_hung", child=self._name(index), pid=proc.pid, limit=limit, silent_s=round(age, 3))
+                    proc.kill()  # its sentinel fires on the next wait and restarts it
+                    break
 
     def _sample_rings(self) -> None:
         gauge = metrics().ring_occupancy

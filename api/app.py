@@ -11,10 +11,10 @@ from typing import TYPE_CHECKING, Protocol
 
 import orjson
 import structlog
-from aiohttp import web
+from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.protocol import ApiError, Completion, choice, envelope, logprobs_block, parse, usage
+from api.protocol import ApiError, Completion, Limits, choice, envelope, logprobs_block, parse, usage
 from runtime.metrics import exposition, metrics
 
 if TYPE_CHECKING:  # prometheus_client is imported by runtime.metrics, once its storage is set
@@ -35,6 +35,7 @@ class Gateway(Protocol):
     max_model_len: int
 
     request_timeout: float | None
+    body_timeout: float | None  # seconds a client may take to send a request's body
 
     def check_capacity(self, count: int) -> None:
         """Raise Overloaded when `count` more requests may not enter."""
@@ -50,6 +51,10 @@ class Gateway(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def limits(self) -> Limits:
+        """What a request may ask of the served model, for the checks made before it is sent on."""
+        ...
+
     def server_info(self) -> dict: ...
 
 
@@ -57,11 +62,48 @@ def _json(body: dict, status: int = 200, headers: dict[str, str] | None = None) 
     return web.Response(body=orjson.dumps(body), status=status, content_type="application/json", headers=headers)
 
 
+class ClosingError(ApiError):
+    """An ApiError after which the connection is closed: the rest of its request's body is not coming."""
+
+
+def _require_json(request: web.Request) -> None:
+    """Every POST route takes a JSON body, and must be told so: a web page may send text/plain, a form
+    or no Content-Type to another origin without a CORS preflight, but not application/json (the
+    preflight this server never grants). So no page a browser shows can drive a local server."""
+    if request.method != "POST" or request.match_info.http_exception is not None:  # a 404 or 405 stays one
+        return
+    if request.content_type != "application/json":  # parsed: parameters dropped, lower case
+        given = request.content_type if hdrs.CONTENT_TYPE in request.headers else "none"
+        given = given.encode("ascii", "backslashreplace").decode()  # header bytes that are not UTF-8 arrive as surrogates
+        raise ApiError(f"the request body must be sent as Content-Type: application/json, not {given}", 415)
+
+
+async def _read_body(request: web.Request, timeout: float | None) -> bytes:
+    """The whole body, or a 408 once `timeout` has passed: a client that stalls mid-upload holds no
+    connection open for long."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise ClosingError(f"the request body did not arrive within the server's --body-timeout of {timeout:g} s",
+                           408, code="timeout") from None
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler):
     """Every failure leaves as OpenAI's error body: ours with their status, aiohttp's too."""
     try:
+        _require_json(request)
         return await handler(request)
+    except ClosingError as exc:  # sent now, then the connection closes, without waiting for the rest of the body
+        response = _json(exc.body(), exc.status)
+        response.force_close()  # Connection: close
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        finally:  # else aiohttp lingers up to 10 s after the answer, reading a body that is not coming
+            request.protocol.force_close()
+        return response
     except ApiError as exc:
         return _json(exc.body(), exc.status)
     except web.HTTPException as exc:
@@ -190,10 +232,10 @@ class Handlers:
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
         try:
-            body = orjson.loads(await request.read())
+            body = orjson.loads(await _read_body(request, self.gateway.body_timeout))
         except orjson.JSONDecodeError as exc:
             raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
-        c = parse(body, chat, self.gateway.served_model)
+        c = parse(body, chat, self.gateway.served_model, self.gateway.limits())
         rid = self._request_id(request, c)
         try:
             self.gateway.check_capacity(len(c.prompts) * c.n)

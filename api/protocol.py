@@ -11,9 +11,13 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+from runtime.prompt_length import text_bytes
+
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
+MAX_STOP_CHARS = 512  # of one stop string: the detokenizer holds back up to this much text
+MAX_STOP_TOKEN_IDS = 256
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "tools": []}
 
@@ -26,6 +30,29 @@ class ApiError(Exception):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the served model allows, checked here so that no frame's size depends on a request
+    beyond these bounds."""
+
+    max_model_len: int
+    vocab_size: int
+    max_token_bytes: int  # the longest token's UTF-8 bytes (0: not known yet)
+
+    @property
+    def max_prompt_bytes(self) -> int | None:
+        """A prompt of more bytes has more tokens than the context holds."""
+        return self.max_model_len * self.max_token_bytes or None
+
+
+def context_overflow(limit: int, prompt_tokens: int, max_tokens: int | None) -> str | None:
+    """vLLM's words for a prompt and max_tokens that outgrow the context; None when they fit."""
+    if prompt_tokens + (max_tokens or 1) <= limit:
+        return None
+    asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
+    return f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens}{asked}"
 
 
 @dataclass
@@ -62,8 +89,27 @@ def _get(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, ch
     return value
 
 
-def _is_token_list(value: Any) -> bool:
-    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**31 for t in value)
+def _is_id_list(value: Any, vocab_size: int) -> bool:
+    return isinstance(value, list) and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in value)
+
+
+def _is_token_list(value: Any, limits: Limits) -> bool:
+    return bool(value) and _is_id_list(value, limits.vocab_size)
+
+
+def _check_prompt_size(prompt: dict, max_tokens: int | None, limits: Limits) -> None:
+    """Refuse a prompt that cannot fit the context before it costs any encoding."""
+    if "ids" in prompt:
+        if message := context_overflow(limits.max_model_len, len(prompt["ids"]), max_tokens):
+            raise ApiError(message, param="max_tokens")
+        return
+    if (bound := limits.max_prompt_bytes) is None:
+        return
+    texts = [m["content"] for m in prompt["messages"] if m["role"] != "assistant"] if "messages" in prompt else [prompt["prompt"]]
+    if (size := sum(text_bytes(t.strip()) for t in texts)) > bound:
+        raise ApiError(f"this model's maximum context length is {limits.max_model_len} tokens; a prompt of {size} bytes has "
+                       f"more than that (no token is longer than {limits.max_token_bytes} bytes)",
+                       param="messages" if "messages" in prompt else "prompt")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -90,20 +136,21 @@ def _messages(body: dict) -> list[dict]:
     return out
 
 
-def _prompts(body: dict) -> list[dict]:
+def _prompts(body: dict, limits: Limits) -> list[dict]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [{"prompt": prompt}]
-    if _is_token_list(prompt):
+    if _is_token_list(prompt, limits):
         return [{"ids": prompt}]
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         return [{"prompt": p} for p in prompt]
-    if isinstance(prompt, list) and prompt and all(_is_token_list(p) for p in prompt):
+    if isinstance(prompt, list) and prompt and all(_is_token_list(p, limits) for p in prompt):
         return [{"ids": p} for p in prompt]
-    raise ApiError("'prompt' must be a string, a list of strings, or (lists of) token ids", param="prompt")
+    raise ApiError(f"'prompt' must be a string, a list of strings, or (lists of) token ids below the vocabulary's "
+                   f"{limits.vocab_size}", param="prompt")
 
 
-def parse(body: Any, chat: bool, served_model: str) -> Completion:
+def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completion:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = _get(body, "model", (str,))
@@ -115,7 +162,7 @@ def parse(body: Any, chat: bool, served_model: str) -> Completion:
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
-    prompts = [{"messages": _messages(body)}] if chat else _prompts(body)
+    prompts = [{"messages": _messages(body)}] if chat else _prompts(body, limits)
     positive = dict(check=lambda v: v >= 1, why="must be at least 1")
     max_tokens = _get(body, "max_tokens", (int,), **positive)
     if chat and (newer := _get(body, "max_completion_tokens", (int,), **positive)) is not None:
@@ -124,11 +171,15 @@ def parse(body: Any, chat: bool, served_model: str) -> Completion:
         max_tokens = 16  # OpenAI's default for completions
     stop = _get(body, "stop", (str, list), default=[])
     stop = [stop] if isinstance(stop, str) else stop
-    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
-        raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings", param="stop")
+    if len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
+        raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most "
+                       f"{MAX_STOP_CHARS} characters", param="stop")
     stop_ids = _get(body, "stop_token_ids", (list,), default=[])
-    if not all(isinstance(t, int) and not isinstance(t, bool) for t in stop_ids):
-        raise ApiError("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
+        raise ApiError(f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids below the vocabulary's "
+                       f"{limits.vocab_size}", param="stop_token_ids")
+    for prompt in prompts:
+        _check_prompt_size(prompt, max_tokens, limits)
     logprobs = _logprobs(body, chat)
     stream = _get(body, "stream", (bool,), default=False)
     options = _get(body, "stream_options", (dict,))

@@ -133,7 +133,7 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int],
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
         figures = {"offline": []}
         for _ in range(OFFLINE_ROUNDS):
-            async with http.post("/flush_cache") as reply:
+            async with http.post("/flush_cache", json={}) as reply:  # POST routes take application/json only
                 reply.raise_for_status()
             figures["offline"].append(await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))]))
         if single:

@@ -52,6 +52,8 @@ def serve(args: argparse.Namespace) -> int:
     try:
         if args.api_workers < 1:
             raise ValueError(f"api_workers must be at least 1, not {args.api_workers}")
+        if not args.body_timeout > 0:
+            raise ValueError(f"body_timeout must be more than 0 seconds, not {args.body_timeout}")
         engine = EngineConfig(
             page_size=args.page_size, num_pages=args.num_pages,
             max_prefill_tokens=(8192 if cuda else 512) if args.max_prefill_tokens is None else args.max_prefill_tokens,
@@ -68,7 +70,7 @@ def serve(args: argparse.Namespace) -> int:
     config = ServeConfig(
         model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
         host=args.host, port=args.port, api_workers=args.api_workers, engine=engine,
-        max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout,
+        max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
         watchdog_timeout=args.watchdog_timeout,
     )
     supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
@@ -149,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
     s.add_argument("--max-queued-requests", type=int, default=1024, help="beyond running + queued, new requests get a 503")
     s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")
-    s.add_argument("--hang-timeout", type=float, default=30.0, help="seconds without a heartbeat before an actor is restarted")
-    s.add_argument("--watchdog-timeout", type=float, default=60.0, help="seconds an engine step may make no progress")
+    s.add_argument("--body-timeout", type=float, default=30.0,
+                   help="seconds a client may take to send a request's body; a body still incomplete then gets a 408 "
+                        "and its connection is closed (default: 30)")
+    s.add_argument("--hang-timeout", type=float, default=30.0,
+                   help="seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog")
+    s.add_argument("--watchdog-timeout", type=float, default=60.0,
+                   help="seconds an engine step may make no progress before the engine is restarted: the watchdog "
+                        "can only restart it sooner than --hang-timeout, never later")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, help="on SIGTERM, seconds in-flight requests may take")
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json",
                    help="json: one object per line (what `ringllm trace` reads); console: aligned text")

@@ -11,7 +11,7 @@ from runtime.config import EngineConfig
 from runtime.pages import PageAllocator
 from runtime.radix_cache import RadixCache, RadixNode
 from runtime.sampling_params import SamplingParams
-from runtime.step import Chunk, NewSlot, Sampled, StepPlan
+from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, Sampled, StepPlan
 
 
 @dataclass
@@ -102,9 +102,11 @@ class Scheduler:
             if count and self._grow(request, count, plan):
                 self._feed(request, count, plan)
                 budget -= count if prefilling else 0
+        history = 0  # tokens the plan carries for the slots it opens
         while self.waiting and budget > 0 and self._free_slots:
             request = self.waiting[0]
-            if not self._admit(request, plan):
+            history += len(request.tokens)
+            if plan.new_slots and history > MAX_PLAN_HISTORY_TOKENS or not self._admit(request, plan):
                 break
             self.waiting.popleft()
             count = min(len(request.tokens) - request.computed, budget)

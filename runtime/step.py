@@ -11,6 +11,10 @@ from dataclasses import dataclass, field
 
 from runtime.sampling_params import SamplingParams
 
+# the histories one plan carries for the slots it opens (4 bytes a token): a quarter of the
+# scheduler->engine ring, however many long prompts a step admits
+MAX_PLAN_HISTORY_TOKENS = 1 << 20
+
 
 @dataclass(frozen=True)
 class NewSlot:

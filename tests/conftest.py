@@ -246,7 +246,7 @@ def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Serv
 @pytest.fixture(scope="session")
 def smol_server(smollm2: Path, tmp_path_factory) -> Iterator[Server]:
     """SmolLM2-135M-Instruct behind two api workers, shared by the whole session."""
-    server = launch(smollm2, tmp_path_factory.mktemp("smol") / "serve.log", "--api-workers", "2", model="smollm2")
+    server = launch(smollm2, tmp_path_factory.mktemp("smol") / "serve.log", "--api-workers", "2", "--body-timeout", "3", model="smollm2")
     yield server
     server.stop()
     assert not list_segments(server_prefix(str(server.port)))

@@ -15,7 +15,7 @@ from collections import Counter
 import orjson
 
 from actors.base import Actor
-from actors.topology import ActorSpec, Edge, Topology
+from actors.topology import PROGRESS_GAUGE, ActorSpec, Edge, Topology
 from transport.ring import Frame
 
 KIND_DATA = 1
@@ -113,8 +113,21 @@ class Checksum(Actor):
                 self._report()
 
 
-def _spec(name: str, cls: str, **options) -> ActorSpec:
-    return ActorSpec(name=name, kind=name, entry=f"tests.probe_actors:{cls}", options=options)
+class Stall(Actor):
+    """In the first epoch, stamps progress once and then makes none, its heartbeat still beating: a
+    step stuck on the device. Later epochs (after its restart) stay idle."""
+
+    async def setup(self) -> None:
+        self.slot["gauges"][PROGRESS_GAUGE] = 0.0  # a stamp left by the one it replaces
+
+    async def run(self) -> None:
+        if self.epoch == 1:
+            self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
+        await asyncio.Event().wait()
+
+
+def _spec(name: str, cls: str, watchdog_s: float | None = None, **options) -> ActorSpec:
+    return ActorSpec(name=name, kind=name, entry=f"tests.probe_actors:{cls}", options=options, watchdog_s=watchdog_s)
 
 
 def chain(server: str) -> Topology:
@@ -133,3 +146,17 @@ def idle_pair(server: str) -> Topology:
         actors=(_spec("ping", "Echo"), _spec("pong", "Echo")),
         edges=(Edge("ping", "pong", 1 << 20), Edge("pong", "ping", 1 << 20)),
     )
+
+
+def watched_chain(server: str) -> Topology:
+    """The chain with a long watchdog (60 s) on echo: a frozen echo must still go after --hang-timeout."""
+    return Topology(
+        server=server,
+        actors=(_spec("source", "Source"), _spec("echo", "Echo", watchdog_s=60.0), _spec("sink", "Checksum", delay_s=0.001)),
+        edges=(Edge("source", "echo", 256 << 10), Edge("echo", "sink", 256 << 10)),
+    )
+
+
+def stalled(server: str) -> Topology:
+    """One actor whose step makes no progress, under a short watchdog (1.5 s)."""
+    return Topology(server=server, actors=(_spec("stall", "Stall", watchdog_s=1.5),))

@@ -2,18 +2,22 @@
 
 Covered: broken JSON and bytes (truncated, garbage, quotes, NaN, BOM, depth, invalid UTF-8, lone
 surrogates, a body that claims gzip, deflate or br), bodies that are not objects, the model field, chat messages
-and content parts, completion prompts (types, token ids outside the vocabulary, over the context, over
-the 4 MiB ring to the tokenizer), more completions than the server can ever hold, max_tokens, every
+and content parts, completion prompts (types, token ids outside the vocabulary, over the context, by
+their bytes alone), stop strings and stop ids past their bounds, more completions than the server can ever hold, max_tokens, every
 sampling field on both endpoints, logprobs, stop, streaming flags, a body over 8 MiB, wrong methods
 and routes. Each case must answer its 4xx status with a JSON body
 {"error": {"message": non-empty str, "type": str, ...}}: a client's mistake must never surface as
 a 5xx, a hang, a plain-text page, or an accepted request. Then all cases at once, after which the
-server must still be up and answer a real question.
+server must still be up and answer a real question. POST bodies that are not sent as application/json
+(text/plain, forms, multipart, no Content-Type: what a web page may send to another origin without
+a CORS preflight) get a 415 on every POST route; a body that stalls mid-upload gets a 408 and its
+connection closed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +30,7 @@ VOCAB, CONTEXT = 49152, 8192
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 DROP, MODEL = object(), object()  # a field to leave out; the served model's name
 TIMEOUT = aiohttp.ClientTimeout(total=30)
+BODY_TIMEOUT_S = 3  # smol_server's --body-timeout (tests/conftest.py)
 
 Body = Callable[[str], bytes]  # the served model's name -> the request's bytes
 
@@ -64,7 +69,7 @@ class Case:
 
 LONG_TEXT = " ".join(["word"] * 40_000)
 OVER_8_MIB = b'{"model": "@MODEL", "prompt": "' + b"a" * (9 << 20) + b'"}'
-FIVE_MIB = "a" * (5 << 20)  # under the body limit, over the ring that carries a prompt to the tokenizer
+FIVE_MIB = "a" * (5 << 20)  # under the body limit, over the context by its bytes alone: refused unencoded
 ENDPOINTS = {"chat": (CHAT, chat), "completions": (COMPLETIONS, completion)}
 
 # Fields both endpoints validate alike: (id, field, bad value).
@@ -81,6 +86,8 @@ SHARED: list[tuple[str, str, Any]] = [
     ("seed-over-64-bits", "seed", 2**64 - 1), ("stop-number", "stop", 5), ("stop-list-with-number", "stop", ["a", 5]),
     ("stop-empty-string", "stop", [""]), ("stop-20-strings", "stop", [f"s{i}" for i in range(20)]),
     ("stop_token_ids-not-list", "stop_token_ids", 5), ("stop_token_ids-strings", "stop_token_ids", ["a"]),
+    ("stop_token_ids-negative", "stop_token_ids", [2, -1]), ("stop_token_ids-vocab-size", "stop_token_ids", [VOCAB]),
+    ("stop_token_ids-257", "stop_token_ids", list(range(257))), ("stop-513-chars", "stop", ["x" * 513]),
     ("stream-string", "stream", "yes"), ("stream_options-without-stream", "stream_options", {"include_usage": True}),
     ("ignore_eos-string", "ignore_eos", "yes"), ("model-wrong-type", "model", 5), ("model-missing", "model", DROP),
     ("model-unknown", "model", "gpt-4o"),
@@ -134,7 +141,7 @@ CASES: list[Case] = [
     Case("prompt-9000-ids", COMPLETIONS, completion(prompt=[1] * 9000)),
     Case("prompt-40000-words", COMPLETIONS, completion(prompt=LONG_TEXT)),
     Case("prompt-plus-max_tokens-over-context", COMPLETIONS, completion(prompt=[1] * (CONTEXT - 192), max_tokens=500)),
-    Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB), 413), Case("content-5-MiB", CHAT, user(FIVE_MIB), 413),
+    Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB)), Case("content-5-MiB", CHAT, user(FIVE_MIB)),
     Case("prompts-times-n-over-capacity", COMPLETIONS, completion(prompt=["hi"] * 21, n=64)),  # 1,344 > 256 running + 1,024 queued
     # max_tokens and logprobs, endpoint-specific.
     Case("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0)),
@@ -224,3 +231,65 @@ async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
     head, _, answer = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), reply[:300]
     assert orjson.loads(answer)["id"].encode() in head  # the id it chose, echoed in X-Request-Id
+
+
+# Every POST route, with a body it would take as JSON.
+POSTS: dict[str, tuple[str, Body]] = {"chat": (CHAT, chat(max_tokens=2)), "completions": (COMPLETIONS, completion(max_tokens=2)),
+                                      "flush_cache": ("/flush_cache", raw(b"{}"))}
+
+
+def sent_as(kind: str, body: bytes) -> dict[str, Any]:
+    """aiohttp's arguments that POST `body` the way a web page may, cross-site, without a CORS preflight."""
+    if kind == "text/plain":
+        return {"data": body, "headers": {"Content-Type": "text/plain;charset=UTF-8"}}
+    if kind == "form":
+        return {"data": body, "headers": {"Content-Type": "application/x-www-form-urlencoded"}}
+    if kind == "multipart":
+        return {"data": aiohttp.FormData({"body": body.decode()}, default_to_multipart=True)}
+    assert kind == "none"
+    return {"data": body, "skip_auto_headers": ["Content-Type"]}  # else aiohttp says application/octet-stream
+
+
+@pytest.mark.parametrize("kind", ["text/plain", "form", "multipart", "none"])
+@pytest.mark.parametrize("route", list(POSTS))
+async def test_a_post_not_sent_as_json_gets_415(smol_server, route: str, kind: str) -> None:
+    path, make = POSTS[route]
+    body = make(smol_server.model)
+    async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT) as http:
+        async with http.post(path, **sent_as(kind, body)) as reply:
+            status, data = reply.status, await reply.read()
+        check(Case(f"{route}-{kind}", path, status=415), status, data)
+        error = orjson.loads(data)["error"]
+        assert error["type"] == "invalid_request_error" and {"param", "code"} <= error.keys(), error
+        assert "application/json" in error["message"], error
+        for content_type in ("application/json; charset=utf-8", "Application/JSON"):  # the same request, as JSON
+            async with http.post(path, data=body, headers={"Content-Type": content_type}) as reply:
+                assert reply.status == 200, (content_type, await reply.text())
+
+
+async def test_a_body_that_stalls_gets_408_and_its_connection_closed(smol_server) -> None:
+    """A client that sends its headers and part of its body, then nothing: the server answers 408 with
+    OpenAI's error body once --body-timeout has passed and closes the connection (it was keep-alive)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", smol_server.port)
+    started = time.monotonic()
+    try:
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b'Content-Length: 1000\r\n\r\n{"model": "')
+        await writer.drain()
+        try:
+            reply = await asyncio.wait_for(reader.read(), BODY_TIMEOUT_S + 5)  # read() returns once the server closes
+        except TimeoutError:
+            pytest.fail(f"no answer and no close {BODY_TIMEOUT_S + 5} s after a body stalled")
+    finally:
+        writer.close()
+    took = time.monotonic() - started
+    head, _, answer = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 408"), reply[:300]
+    error = orjson.loads(answer)["error"]
+    assert error["type"] == "invalid_request_error" and error["code"] == "timeout" and error["message"], error
+    assert BODY_TIMEOUT_S - 0.5 < took < BODY_TIMEOUT_S + 5, took
+    async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT) as http:
+        async with http.post(COMPLETIONS, json={"model": smol_server.model, "prompt": "hi", "max_tokens": 2}) as reply:
+            assert reply.status == 200, await reply.text()
+        async with http.get("/health") as reply:
+            assert reply.status == 200, await reply.text()

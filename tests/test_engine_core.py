@@ -272,3 +272,22 @@ def test_temperatures_too_small_for_float32_draw_greedily(tiny_model):
     greedy = [o.token_ids for o in llm.generate(prompts, GREEDY)]
     tiny = SamplingParams(max_tokens=24, temperature=1e-38, ignore_eos=True, seed=3)
     assert [o.token_ids for o in llm.generate(prompts, tiny)] == greedy
+
+
+def test_a_plan_carries_a_bounded_history_however_many_slots_it_could_open(monkeypatch):
+    """Each slot a plan opens carries its whole history to the engine: a step that admitted hundreds
+    of long prompts (their prefixes cached) would outgrow the ring to the engine."""
+    import runtime.scheduler
+    from runtime.config import EngineConfig
+    from runtime.scheduler import Scheduler
+
+    monkeypatch.setattr(runtime.scheduler, "MAX_PLAN_HISTORY_TOKENS", 250)
+    scheduler = Scheduler(EngineConfig(page_size=16, max_prefill_tokens=8192), num_pages=1024, eos_token_ids=(), max_position=4096)
+    for rid, prompt in enumerate(random_prompts(12, range(100, 101), seed=3)):
+        scheduler.add(rid, prompt, SamplingParams(max_tokens=2, temperature=0))
+    opened = []
+    while scheduler.waiting:
+        plan = scheduler.schedule()
+        opened.append(len(plan.new_slots))
+        assert sum(len(n.prompt_ids) + len(n.output_ids) for n in plan.new_slots) <= 250
+    assert opened[:6] == [2] * 6 and sum(opened) == 12

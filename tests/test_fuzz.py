@@ -73,7 +73,8 @@ def requests(draw, model: str) -> tuple[str, str, dict[str, str], bytes]:
         payload = draw(st.binary(max_size=64))
     elif damage == "array":
         payload = b"[" + payload + b"]"
-    headers = {"Content-Type": draw(st.sampled_from(["application/json", "text/plain", "application/x-www-form-urlencoded"]))}
+    kinds = ["application/json"] * 6 + ["application/json; charset=utf-8", "text/plain", "application/x-www-form-urlencoded"]
+    headers = {"Content-Type": draw(st.sampled_from(kinds))}  # most bodies must get past the 415 to reach the parser
     method = draw(st.sampled_from(["POST", "POST", "POST", "GET", "PUT"] if path.endswith("completions") else ["GET", "POST"]))
     return method, path, headers, payload
 

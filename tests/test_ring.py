@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from transport.ring import HEADER, Ring, RingReader, RingWriter, frame_size
+from transport.ring import HEADER, FrameReleased, Ring, RingReader, RingWriter, frame_size
 from transport.segment import SHM_DIR, server_prefix
 from transport.wakeup import spin_budget_ns
 
@@ -165,3 +165,20 @@ async def test_tasks_sharing_a_writer_all_get_through_a_full_ring(make_ring):
         received.append(frame.rid)
     await asyncio.gather(*senders)
     assert sorted(received) == list(range(20))
+
+
+def test_a_frame_held_across_a_receive_refuses_to_be_read_once_the_writer_wraps(make_ring):
+    """A batch that keeps frames past the next receive would read whatever the writer put there
+    since (another request's bytes): the released frame raises instead."""
+    _, writer, reader = make_ring(frame_size(96) * 2)
+    writer.send(1, 1, b"a" * 96)
+    held = reader.recv(timeout=1)
+    writer.send(1, 2, b"b" * 96)
+    assert reader.recv(timeout=1).rid == 2  # releases frame 1: its space is the writer's again
+    writer.send(1, 3, b"c" * 96, timeout=1)  # wraps into frame 1's bytes
+    assert held.released
+    with pytest.raises(FrameReleased):
+        bytes(held.payload)
+    with pytest.raises(FrameReleased):
+        held.int32()
+    assert bytes(reader.recv(timeout=1).payload) == b"c" * 96  # the live frame reads as sent

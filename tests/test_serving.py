@@ -114,7 +114,7 @@ def test_dropped_client_frees_its_pages_within_a_second(smol_server):
 
 
 async def _flush(server) -> tuple[int, dict]:
-    async with aiohttp.ClientSession(server.base_url) as http, http.post("/flush_cache") as reply:
+    async with aiohttp.ClientSession(server.base_url) as http, http.post("/flush_cache", json={}) as reply:
         return reply.status, await reply.json()
 
 

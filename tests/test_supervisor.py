@@ -79,8 +79,15 @@ def test_sigkill_restarts_under_new_epoch_and_drops_old_frames(start_supervisor,
     assert all(r["epoch"] == 2 for r in sup.status())
 
 
-def test_hung_actor_is_killed_and_restarted(start_supervisor, server):
-    sup = start_supervisor(CHAIN, "--hang-timeout", "1.5")
+def hung_lines(sup: RunningSupervisor) -> list[dict]:
+    lines = (orjson.loads(line) for line in sup.log.read_bytes().splitlines() if line.startswith(b"{"))
+    return [line for line in lines if line.get("event") == "actor_hung"]
+
+
+# echo's watchdog (60 s) must not lengthen --hang-timeout: a frozen echo goes after 1.5 s either way
+@pytest.mark.parametrize("topology", [CHAIN, "tests.probe_actors:watched_chain"], ids=["no-watchdog", "longer-watchdog"])
+def test_hung_actor_is_killed_and_restarted(start_supervisor, server, topology):
+    sup = start_supervisor(topology, "--hang-timeout", "1.5")
     wait_for(lambda: accepted_in(sink_report(server), 1) > 20, 20, "frames to flow")
     frozen = sup.actor("echo")["pid"]
     os.kill(frozen, signal.SIGSTOP)
@@ -88,8 +95,18 @@ def test_hung_actor_is_killed_and_restarted(start_supervisor, server):
     row = wait_for(lambda: restarted(sup, "echo", frozen), 20, "the frozen echo to be replaced")
     assert time.monotonic() - stopped_at < 1.5 + 5
     assert row["epoch"] == 2
+    assert [line["limit"] for line in hung_lines(sup)] == ["hang_timeout"]
     wait_for(lambda: accepted_in(sink_report(server), 2) > 20, 20, "frames of epoch 2")
     assert sink_report(server)["errors"] == []
+
+
+def test_watchdog_kills_a_step_without_progress_before_the_hang_timeout(start_supervisor):
+    sup = start_supervisor("tests.probe_actors:stalled")  # hang timeout 30 s, watchdog 1.5 s
+    stuck = sup.actor("stall")["pid"]
+    started = time.monotonic()
+    wait_for(lambda: restarted(sup, "stall", stuck), 20, "the stalled actor to be replaced")
+    assert time.monotonic() - started < 1.5 + 5  # its heartbeat beat all along: only the watchdog fired
+    assert [line["limit"] for line in hung_lines(sup)] == ["watchdog"]
 
 
 def test_sigterm_stops_everything_and_removes_segments(start_supervisor, server):

@@ -56,20 +56,37 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+class FrameReleased(RuntimeError):
+    """A frame read after its reader's next receive gave its space back to the writer."""
+
+
 class Frame:
-    """One received frame. `payload` views ring memory: valid until the reader's next receive."""
+    """One received frame. `payload` views ring memory and is valid until the reader's next receive
+    (or `release`); after that it refuses to be read, since the writer may have reused the space.
+    Copy or decode what must outlive it, arrays taken from the payload included."""
 
-    __slots__ = ("kind", "epoch", "rid", "payload")
+    __slots__ = ("kind", "epoch", "rid", "_view", "_reader", "_generation")
 
-    def __init__(self, kind: int, epoch: int, rid: int, payload: memoryview) -> None:
-        self.kind, self.epoch, self.rid, self.payload = kind, epoch, rid, payload
+    def __init__(self, kind: int, epoch: int, rid: int, view: memoryview, reader: RingReader) -> None:
+        self.kind, self.epoch, self.rid, self._view = kind, epoch, rid, view
+        self._reader, self._generation = reader, reader.generation
+
+    @property
+    def released(self) -> bool:
+        return self._generation != self._reader.generation
+
+    @property
+    def payload(self) -> memoryview:
+        if self._generation != self._reader.generation:
+            raise FrameReleased(f"{self!r} was read after its reader's next receive released it")
+        return self._view
 
     def int32(self) -> np.ndarray:
         """The payload as little-endian int32, in place (no copy)."""
         return np.frombuffer(self.payload, dtype="<i4")
 
     def __repr__(self) -> str:
-        return f"Frame(kind={self.kind}, epoch={self.epoch}, rid={self.rid}, len={len(self.payload)})"
+        return f"Frame(kind={self.kind}, epoch={self.epoch}, rid={self.rid}, len={len(self._view)})"
 
 
 @dataclass(frozen=True)
@@ -228,13 +245,15 @@ class RingWriter(_End):
 
 
 class RingReader(_End):
-    """The consumer end. A frame handed out stays valid until the next receive releases it."""
+    """The consumer end. A frame handed out stays valid until the next receive releases it; each
+    release starts a new generation, and frames of an older one refuse to be read."""
 
     def __init__(self, handle: RingHandle) -> None:
         super().__init__(handle)
         self._rpos = self._read_pos.value  # a restarted reader resumes at the first unconsumed frame
         self._write_seen = self._rpos
         self._held = 0
+        self.generation = 0
 
     def _readable(self) -> bool:
         """Reload the writer's position only once the cached one is used up."""
@@ -250,6 +269,7 @@ class RingReader(_End):
     def release(self) -> None:
         """Give the last frame's space back to the writer now rather than at the next receive."""
         if self._held:
+            self.generation += 1  # before the writer can see the space: the frame is dead first
             self._consume(self._held)
             self._held = 0
 
@@ -264,7 +284,7 @@ class RingReader(_End):
                 if kind != PAD:
                     self._held = frame_size(length)
                     start = offset + HEADER.size
-                    return Frame(kind, epoch, rid, self._data[start : start + length])
+                    return Frame(kind, epoch, rid, self._data[start : start + length], self)
             self._consume(tail)  # filler up to the end of the region
         return None
 

@@ -1,0 +1,114 @@
+"""Huge prompts against everyone else: how much other requests' time to first token rises, and
+whether /health holds, while clients keep sending prompts of megabytes.
+
+It starts `ringllm serve` (SmolLM2 on CPU, two api workers unless told otherwise), times short
+streamed requests one after another on a quiet server, then again while `--attackers` clients
+loop sending prompts of `--prompt-mib` MiB (refused for length) and prompts just under the
+byte bound (refused by their head in the tokenizer), polling /health all the while. The last
+line printed is one JSON object: TTFT p50/p90/max quiet and under attack, the rise, health
+answers that were not 200, and attack requests sent.
+
+    python -m benchmarks.big_prompts --out benchmarks/results/big-prompts-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import aiohttp
+import orjson
+
+from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
+
+SHORT = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": True}
+
+
+async def _ttft(http: aiohttp.ClientSession, model: str) -> float:
+    started = time.monotonic()
+    async with http.post("/v1/completions", json={**SHORT, "model": model}) as reply:
+        assert reply.status == 200, await reply.text()
+        async for _ in sse_events(reply):
+            return time.monotonic() - started
+    raise RuntimeError("the stream ended without an event")
+
+
+def _summary(times: list[float]) -> dict:
+    ordered = sorted(times)
+    return {"p50_ms": round(statistics.median(ordered) * 1e3, 2),
+            "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 2), "max_ms": round(ordered[-1] * 1e3, 2)}
+
+
+async def measure(base_url: str, model: str, samples: int, attackers: int, prompt_mib: float) -> dict:
+    connector = aiohttp.TCPConnector(limit=0)
+    timeout = aiohttp.ClientTimeout(total=120)
+    async with aiohttp.ClientSession(base_url, connector=connector, timeout=timeout) as http:
+        await wait_healthy(http, 300)
+        for _ in range(5):  # warm-up
+            await _ttft(http, model)
+        quiet = [await _ttft(http, model) for _ in range(samples)]
+        huge = {"model": model, "prompt": "word " * int(prompt_mib * (1 << 20) / 5), "max_tokens": 4}
+        under = {"model": model, "prompt": "word " * 120_000, "max_tokens": 4}  # 600 kB: the tokenizer probes its head
+        sent, statuses, health = 0, [], []
+        stop = asyncio.Event()
+
+        async def attacker(body: dict) -> None:
+            nonlocal sent
+            while not stop.is_set():
+                async with http.post("/v1/completions", json=body) as reply:
+                    statuses.append(reply.status)
+                    await reply.read()
+                sent += 1
+
+        async def poll_health() -> None:
+            while not stop.is_set():
+                async with http.get("/health") as reply:
+                    health.append(reply.status)
+                await asyncio.sleep(0.1)
+
+        tasks = [asyncio.create_task(attacker(huge if i % 2 == 0 else under)) for i in range(attackers)]
+        tasks.append(asyncio.create_task(poll_health()))
+        await asyncio.sleep(0.5)  # the attack is under way
+        attacked = [await _ttft(http, model) for _ in range(samples)]
+        stop.set()
+        await asyncio.gather(*tasks)
+    q, a = _summary(quiet), _summary(attacked)
+    return {"quiet": q, "attacked": a, "p50_rise_ms": round(a["p50_ms"] - q["p50_ms"], 2),
+            "p90_rise_ms": round(a["p90_ms"] - q["p90_ms"], 2), "health_not_200": sum(s != 200 for s in health),
+            "health_polls": len(health), "attack_requests": sent, "attack_statuses": sorted(set(statuses))}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.big_prompts", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="default: SmolLM2-135M-Instruct")
+    parser.add_argument("--api-workers", type=int, default=2)
+    parser.add_argument("--samples", type=int, default=40, help="short requests timed in each phase")
+    parser.add_argument("--attackers", type=int, default=4, help="clients sending huge prompts in a loop")
+    parser.add_argument("--prompt-mib", type=float, default=3.0)
+    parser.add_argument("--out", help="append the result to this JSON list")
+    args = parser.parse_args(argv)
+    port = free_port()
+    model_args = ["--model", args.model] if args.model else []
+    server = start_server([*model_args, "--served-model-name", "bench", "--port", str(port),
+                           "--api-workers", str(args.api_workers)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        result = asyncio.run(measure(f"http://127.0.0.1:{port}", "bench", args.samples, args.attackers, args.prompt_mib))
+    finally:
+        stop_server(server)
+    result = {"command": " ".join(["python -m benchmarks.big_prompts", *(argv if argv is not None else sys.argv[1:])]),
+              "date": datetime.date.today().isoformat(), **result}
+    if args.out:
+        path = Path(args.out)
+        runs = orjson.loads(path.read_bytes()) if path.exists() else []
+        path.write_bytes(orjson.dumps([*runs, result], option=orjson.OPT_INDENT_2))
+    print(orjson.dumps(result).decode())
+
+
+if __name__ == "__main__":
+    main()

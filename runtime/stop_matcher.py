@@ -1,0 +1,84 @@
+"""Stop strings as one Aho-Corasick automaton, fed a stream's text as it is released.
+
+Each character costs O(1) amortised whatever the number and length of the stop strings: a
+failure step shortens the current match, and each character lengthens it by at most one. The
+automaton is built once per distinct tuple of stop strings and shared by every request that uses it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from functools import lru_cache
+
+
+@dataclass(frozen=True, slots=True)
+class Automaton:
+    """A trie of the stop strings: node 0 is the root, and each node stands for the prefix that reaches it."""
+
+    goto: tuple[dict[str, int], ...]  # trie edges
+    fail: tuple[int, ...]  # the node of the longest proper suffix that is also a prefix of some stop string
+    depth: tuple[int, ...]  # length of the node's prefix
+    match: tuple[int, ...]  # length of the longest stop string ending here (0: none), so the earliest-starting one
+
+
+@lru_cache(maxsize=256)
+def compile_stops(stops: tuple[str, ...]) -> Automaton:
+    """The automaton of `stops`; empty strings are ignored (they would stop before any text)."""
+    goto: list[dict[str, int]] = [{}]
+    depth, ends = [0], [0]
+    for stop in stops:
+        node = 0
+        for ch in stop:
+            if ch not in goto[node]:
+                goto.append({})
+                depth.append(depth[node] + 1)
+                ends.append(0)
+                goto[node][ch] = len(goto) - 1
+            node = goto[node][ch]
+        if stop:
+            ends[node] = len(stop)
+    fail, match = [0] * len(goto), ends[:]
+    queue = deque(goto[0].values())  # breadth first: a node's suffixes are shallower, so already done
+    while queue:
+        node = queue.popleft()
+        match[node] = match[node] or match[fail[node]]
+        for ch, child in goto[node].items():
+            f = fail[node]
+            while f and ch not in goto[f]:
+                f = fail[f]
+            fail[child] = goto[f].get(ch, 0)
+            queue.append(child)
+    return Automaton(tuple(goto), tuple(fail), tuple(depth), tuple(match))
+
+
+class StopMatcher:
+    """One stream's place in its automaton: the longest suffix of the text so far that may begin a stop string."""
+
+    __slots__ = ("automaton", "node")
+
+    def __init__(self, stops: list[str] | tuple[str, ...]) -> None:
+        self.automaton = compile_stops(tuple(stops))
+        self.node = 0
+
+    @property
+    def held(self) -> int:
+        """How many trailing characters of the text fed so far could begin a stop string (text to hold back)."""
+        return self.automaton.depth[self.node]
+
+    def feed(self, text: str) -> int | None:
+        """Take in `text`. On the first stop string it completes (ending earliest; the longest among those
+        ending at one character), return where that string starts relative to `text`: negative when it began
+        in text fed before (at most `held` characters back, as `held` was before this call). Else None. After a
+        match it starts afresh."""
+        goto, fail, match = self.automaton.goto, self.automaton.fail, self.automaton.match
+        node = self.node
+        for i, ch in enumerate(text):
+            while node and ch not in goto[node]:
+                node = fail[node]
+            node = goto[node].get(ch, 0)
+            if match[node]:
+                self.node = 0
+                return i + 1 - match[node]
+        self.node = node
+        return None
