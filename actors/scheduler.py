@@ -29,7 +29,7 @@ from transport.ring import Frame
 
 log = structlog.get_logger()
 STATS_INTERVAL_S = 10.0
-TOKENS_FRAME_IDS = 1 << 16  # token ids (replays' earlier ones included) a TOKENS frame carries: < 1 MB of JSON
+TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
 @dataclass
@@ -136,25 +136,27 @@ class SchedulerActor(Actor):
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
         """A frame per step: each request's newest token, and its finish reason if it finished
-        (without a token: it was aborted, or outgrew the KV pool while being planned). Replays
-        carry their earlier tokens too, so a step of many is split across frames."""
+        (without a token: it was aborted, or outgrew the KV pool while being planned). A first token
+        brings the request's stop strings and a replay's earlier tokens along, so a step's items are
+        split across frames that each stay well inside the ring."""
         if not requests:
             return
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
         frames: list[tuple[list[dict], list[int]]] = []
-        ids_in_frame = TOKENS_FRAME_IDS
+        in_frame = TOKENS_FRAME_BYTES
         for request in requests:
             item = {"rid": request.rid, "finish": request.finish_reason}
-            ids = 1
+            size = 64 + 32 * (request.params.logprobs or 0)
             if request.rid in self.announce:  # first tokens: what the detokenizer must know
                 item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
                             cached_tokens=request.cached_tokens)
-                ids += len(item["detok"]["generated"])
+                detok = item["detok"]  # a replay's tokens so far, and the stop strings (6 bytes a character, escaped)
+                size += 12 * len(detok["generated"]) + 6 * sum(map(len, detok["stop"]))
                 self._on_prefilled(request)
-            if ids_in_frame + ids > TOKENS_FRAME_IDS:
+            if in_frame + size > TOKENS_FRAME_BYTES:
                 frames.append(([], []))
-                ids_in_frame = 0
-            ids_in_frame += ids
+                in_frame = 0
+            in_frame += size
             items, tokens = frames[-1]
             if request.finish_reason is not None:
                 self._on_finished(request)

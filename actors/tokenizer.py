@@ -36,6 +36,7 @@ from transport.ring import Frame
 
 log = structlog.get_logger()
 LONG_PROMPT_CHARS = 16_384  # prompts longer than this encode in the long lane
+MESSAGE_CHARS = 16  # what a message adds in the chat template, roughly, for choosing the lane
 MAX_BATCH = 256  # frames taken in one batch, so that a flood still lets the loop turn
 _libc = ctypes.CDLL(None)
 
@@ -54,7 +55,7 @@ class Submission:
     @property
     def text_chars(self) -> int:
         if (messages := self.meta.get("messages")) is not None:
-            return sum(len(m["content"]) for m in messages)
+            return sum(len(m["content"]) + MESSAGE_CHARS for m in messages)
         return len(self.meta.get("prompt") or "")
 
 
@@ -73,7 +74,7 @@ class TokenizerActor(Actor):
         self.lane_tokenizer = load_tokenizer(serve.model_dir, required=True)
         self.lane_encode = _encoder(self.lane_tokenizer)
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="long-prompts")
-        self.in_lane: dict[int, bool] = {}  # rid -> aborted while it encodes
+        self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits or encodes
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
         self.slot["gauges"][TOKEN_BYTES_GAUGE] = max_token_bytes(self.tokenizer)  # the api workers' length bound
@@ -91,15 +92,15 @@ class TokenizerActor(Actor):
                 if sub.kind != Kind.SUBMIT:
                     if sub.kind == Kind.ABORT:
                         submissions.pop(sub.rid, None)  # submitted and aborted in one batch: never forward it
-                        if sub.rid in self.in_lane:
-                            self.in_lane[sub.rid] = True
+                        if (sub.rid, sub.epoch) in self.in_lane:
+                            self.in_lane[sub.rid, sub.epoch] = True
                     await self.send("scheduler", sub.kind, sub.rid, {}, epoch=sub.epoch)
                 else:
                     submissions[sub.rid] = sub
             short = []
             for sub in submissions.values():
                 if sub.ids is None and sub.text_chars > LONG_PROMPT_CHARS:
-                    self.in_lane[sub.rid] = False
+                    self.in_lane[sub.rid, sub.epoch] = False
                     asyncio.get_running_loop().create_task(self._tokenize_long(sub))
                 else:
                     short.append(sub)
@@ -135,10 +136,10 @@ class TokenizerActor(Actor):
     async def _tokenize_long(self, sub: Submission) -> None:
         started = time.monotonic()
         try:
-            ids = await asyncio.get_running_loop().run_in_executor(self.lane, self._encode_long, sub.meta)
+            ids = await asyncio.get_running_loop().run_in_executor(self.lane, self._encode_long, sub)
         except Exception as exc:  # a template that rejects the messages
             ids = f"the chat template failed: {exc}"
-        if self.in_lane.pop(sub.rid, False):
+        if self.in_lane.pop((sub.rid, sub.epoch), True):
             return  # aborted while it encoded: the abort has gone on already
         if ids is None:
             param = "messages" if sub.meta.get("messages") is not None else "prompt"
@@ -149,10 +150,13 @@ class TokenizerActor(Actor):
         else:
             await self._forward(sub, ids, started, 1)
 
-    def _encode_long(self, meta: dict) -> list[int] | None:
-        """In the lane: the prompt's ids, or None when its head already overflows the context."""
+    def _encode_long(self, sub: Submission) -> list[int] | None:
+        """In the lane: the prompt's ids, or None when its head already overflows the context (or its
+        client left while it waited: the result is dropped)."""
+        if self.in_lane.get((sub.rid, sub.epoch), True):
+            return None
         try:
-            return encode_unless_longer(self.lane_encode, self._text_of(self.lane_tokenizer, meta), self.max_position)
+            return encode_unless_longer(self.lane_encode, self._text_of(self.lane_tokenizer, sub.meta), self.max_position)
         finally:
             _libc.malloc_trim(0)  # hand the encoding's megabytes back to the system
 

@@ -16,7 +16,7 @@ from runtime.prompt_length import text_bytes
 MAX_N = 64
 MAX_LOGPROBS = 20
 MAX_STOPS = 16
-MAX_STOP_CHARS = 512  # of one stop string: the detokenizer holds back up to this much text
+MAX_STOP_CHARS = 256  # of one stop string: the detokenizer holds back up to this much text
 MAX_STOP_TOKEN_IDS = 256
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "tools": []}
@@ -94,6 +94,8 @@ def _is_id_list(value: Any, vocab_size: int) -> bool:
 
 
 def _is_token_list(value: Any, limits: Limits) -> bool:
+    if isinstance(value, list) and len(value) >= limits.max_model_len and isinstance(value[0], int):  # before reading every id
+        raise ApiError(context_overflow(limits.max_model_len, len(value), None), param="prompt")
     return bool(value) and _is_id_list(value, limits.vocab_size)
 
 
@@ -103,10 +105,13 @@ def _check_prompt_size(prompt: dict, max_tokens: int | None, limits: Limits) -> 
         if message := context_overflow(limits.max_model_len, len(prompt["ids"]), max_tokens):
             raise ApiError(message, param="max_tokens")
         return
+    if "messages" in prompt and len(prompt["messages"]) >= limits.max_model_len:  # the template gives each a token at least
+        raise ApiError(f"this model's maximum context length is {limits.max_model_len} tokens; a conversation of "
+                       f"{len(prompt['messages'])} messages has more than that", param="messages")
     if (bound := limits.max_prompt_bytes) is None:
         return
     texts = [m["content"] for m in prompt["messages"] if m["role"] != "assistant"] if "messages" in prompt else [prompt["prompt"]]
-    if (size := sum(text_bytes(t.strip()) for t in texts)) > bound:
+    if (size := sum(map(text_bytes, texts))) > bound:
         raise ApiError(f"this model's maximum context length is {limits.max_model_len} tokens; a prompt of {size} bytes has "
                        f"more than that (no token is longer than {limits.max_token_bytes} bytes)",
                        param="messages" if "messages" in prompt else "prompt")

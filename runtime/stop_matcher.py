@@ -16,40 +16,45 @@ from functools import lru_cache
 class Automaton:
     """A trie of the stop strings: node 0 is the root, and each node stands for the prefix that reaches it."""
 
-    goto: tuple[dict[str, int], ...]  # trie edges
+    goto: dict[int, int]  # trie edges, keyed by node * EDGE_KEY + the character's code point: one dict, not one a node
     fail: tuple[int, ...]  # the node of the longest proper suffix that is also a prefix of some stop string
     depth: tuple[int, ...]  # length of the node's prefix
     match: tuple[int, ...]  # length of the longest stop string ending here (0: none), so the earliest-starting one
 
 
-@lru_cache(maxsize=256)
+EDGE_KEY = 0x110000  # past every code point
+
+
+@lru_cache(maxsize=32)
 def compile_stops(stops: tuple[str, ...]) -> Automaton:
     """The automaton of `stops`; empty strings are ignored (they would stop before any text)."""
-    goto: list[dict[str, int]] = [{}]
+    goto: dict[int, int] = {}
+    children: list[list[tuple[int, int]]] = [[]]  # (code point, child) per node, for the breadth-first pass
     depth, ends = [0], [0]
     for stop in stops:
         node = 0
-        for ch in stop:
-            if ch not in goto[node]:
-                goto.append({})
+        for code in map(ord, stop):
+            if (child := goto.get(node * EDGE_KEY + code)) is None:
+                child = goto[node * EDGE_KEY + code] = len(depth)
+                children[node].append((code, child))
+                children.append([])
                 depth.append(depth[node] + 1)
                 ends.append(0)
-                goto[node][ch] = len(goto) - 1
-            node = goto[node][ch]
+            node = child
         if stop:
             ends[node] = len(stop)
-    fail, match = [0] * len(goto), ends[:]
-    queue = deque(goto[0].values())  # breadth first: a node's suffixes are shallower, so already done
+    fail, match = [0] * len(depth), ends[:]
+    queue = deque(child for _, child in children[0])  # breadth first: a node's suffixes are shallower, so already done
     while queue:
         node = queue.popleft()
         match[node] = match[node] or match[fail[node]]
-        for ch, child in goto[node].items():
+        for code, child in children[node]:
             f = fail[node]
-            while f and ch not in goto[f]:
+            while f and f * EDGE_KEY + code not in goto:
                 f = fail[f]
-            fail[child] = goto[f].get(ch, 0)
+            fail[child] = goto.get(f * EDGE_KEY + code, 0)
             queue.append(child)
-    return Automaton(tuple(goto), tuple(fail), tuple(depth), tuple(match))
+    return Automaton(goto, tuple(fail), tuple(depth), tuple(match))
 
 
 class StopMatcher:
@@ -73,10 +78,10 @@ class StopMatcher:
         match it starts afresh."""
         goto, fail, match = self.automaton.goto, self.automaton.fail, self.automaton.match
         node = self.node
-        for i, ch in enumerate(text):
-            while node and ch not in goto[node]:
+        for i, code in enumerate(map(ord, text)):
+            while node and node * EDGE_KEY + code not in goto:
                 node = fail[node]
-            node = goto[node].get(ch, 0)
+            node = goto.get(node * EDGE_KEY + code, 0)
             if match[node]:
                 self.node = 0
                 return i + 1 - match[node]

@@ -87,7 +87,7 @@ SHARED: list[tuple[str, str, Any]] = [
     ("stop-empty-string", "stop", [""]), ("stop-20-strings", "stop", [f"s{i}" for i in range(20)]),
     ("stop_token_ids-not-list", "stop_token_ids", 5), ("stop_token_ids-strings", "stop_token_ids", ["a"]),
     ("stop_token_ids-negative", "stop_token_ids", [2, -1]), ("stop_token_ids-vocab-size", "stop_token_ids", [VOCAB]),
-    ("stop_token_ids-257", "stop_token_ids", list(range(257))), ("stop-513-chars", "stop", ["x" * 513]),
+    ("stop_token_ids-257", "stop_token_ids", list(range(257))), ("stop-257-chars", "stop", ["x" * 257]),
     ("stream-string", "stream", "yes"), ("stream_options-without-stream", "stream_options", {"include_usage": True}),
     ("ignore_eos-string", "ignore_eos", "yes"), ("model-wrong-type", "model", 5), ("model-missing", "model", DROP),
     ("model-unknown", "model", "gpt-4o"),
@@ -126,6 +126,7 @@ CASES: list[Case] = [
     Case("content-part-image_url", CHAT, user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])),
     Case("content-part-without-text", CHAT, user([{"type": "text"}])),
     Case("content-over-context", CHAT, user(LONG_TEXT)),
+    Case("messages-9000-empty", CHAT, chat(messages=[{"role": "user", "content": ""}] * 9000)),
     # Completion prompts.
     Case("prompt-missing", COMPLETIONS, completion(prompt=DROP)), Case("prompt-empty-list", COMPLETIONS, completion(prompt=[])),
     Case("prompt-empty-string", COMPLETIONS, completion(prompt="")),
@@ -140,6 +141,7 @@ CASES: list[Case] = [
     Case("token-id-out-of-vocab-stream", COMPLETIONS, completion(prompt=[VOCAB], stream=True)),
     Case("prompt-9000-ids", COMPLETIONS, completion(prompt=[1] * 9000)),
     Case("prompt-40000-words", COMPLETIONS, completion(prompt=LONG_TEXT)),
+    Case("prompt-4-million-spaces", COMPLETIONS, completion(prompt=" " * 4_000_000)),
     Case("prompt-plus-max_tokens-over-context", COMPLETIONS, completion(prompt=[1] * (CONTEXT - 192), max_tokens=500)),
     Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB)), Case("content-5-MiB", CHAT, user(FIVE_MIB)),
     Case("prompts-times-n-over-capacity", COMPLETIONS, completion(prompt=["hi"] * 21, n=64)),  # 1,344 > 256 running + 1,024 queued
