@@ -6,7 +6,7 @@ PORT   ?= 8000
 # A CPU build of torch; an unpinned `torch` would pull several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
 
-.PHONY: venv serve test bench-transport
+.PHONY: venv serve test lint bench-transport
 
 venv: $(VENV)/.installed
 
@@ -22,8 +22,12 @@ $(VENV)/.installed: pyproject.toml
 serve: venv
 	$(VENV)/bin/ringllm serve --port $(PORT)
 
-test: venv
+test: venv lint
 	$(PY) -m pytest -q
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
 
 bench-transport: venv
 	$(PY) -m benchmarks.transport

@@ -15,7 +15,7 @@ import asyncio
 import itertools
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import structlog
@@ -23,16 +23,15 @@ from aiohttp import web
 
 from actors.base import Actor
 from actors.control import ActorState
-from actors.kinds import Kind, make_rid
-from actors.pipeline import LIVE_GAUGE, TOKEN_BYTES_GAUGE
+from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, Ping, Submit, decode
+from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
+from actors.kinds import make_rid
 from api.app import Overloaded, build_app
 from api.protocol import ApiError, Limits
 from runtime.config import ModelConfig
-from transport.codec import unpack
 from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
-SCHEDULER_GAUGES = ("used_pages", "total_pages", "running", "waiting", "cached_pages")
 PING_S = 1.0  # a ping goes through the pipeline this often
 FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
 HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
@@ -40,8 +39,7 @@ HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
 
 @dataclass
 class LiveRequest:
-    meta: dict
-    ids: list[int] | None
+    submit: Submit
     inbox: asyncio.Queue
     generated: list[int] = field(default_factory=list)
 
@@ -60,7 +58,7 @@ class ApiWorker(Actor):
         self.live: dict[int, LiveRequest] = {}
         self._counter = itertools.count(1)
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
-        self.slot["gauges"][LIVE_GAUGE] = 0  # a restarted worker holds nothing yet
+        self.slot["gauges"][ApiGauge.LIVE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0
         self._flushes: dict[int, asyncio.Future[int]] = {}  # rid -> the flush's evicted page count, once back
         self._replaying: asyncio.Task | None = None
@@ -85,8 +83,7 @@ class ApiWorker(Actor):
         try:
             for rid in rids:
                 if (live := self.live.get(rid)) is not None:  # not finished or aborted meanwhile
-                    await self.send("tokenizer", Kind.SUBMIT, rid, live.meta,
-                                    [live.ids if live.ids is not None else [], live.generated], epoch=epoch)
+                    await self.send("tokenizer", replace(live.submit, generated=live.generated), rid, epoch=epoch)
         except Exception:
             log.exception("replay_failed")
             raise
@@ -99,28 +96,28 @@ class ApiWorker(Actor):
         try:
             while True:
                 _, frame = await self.next_frame()
-                if frame.kind == Kind.PING:
-                    self.last_pong = time.monotonic()
-                    continue
-                if frame.kind == Kind.FLUSH_CACHE:
-                    if (flushed := self._flushes.pop(frame.rid, None)) is not None and not flushed.done():
-                        flushed.set_result(unpack(frame)[0]["pages"])
-                    continue
-                for delta in unpack(frame)[0]["deltas"]:
-                    self._deliver(delta)
+                match decode(frame):
+                    case Deltas(deltas=deltas):
+                        for delta in deltas:
+                            self._deliver(delta)
+                    case Ping():
+                        self.last_pong = time.monotonic()
+                    case FlushCache(pages=pages):
+                        if (flushed := self._flushes.pop(frame.rid, None)) is not None and not flushed.done():
+                            flushed.set_result(pages)
         finally:
             pinger.cancel()
 
-    def _deliver(self, delta: dict) -> None:
-        if delta.get("abort"):  # a stop string ended it in the detokenizer: free it upstream
-            asyncio.get_running_loop().create_task(self.send("tokenizer", Kind.ABORT, delta["rid"], {}))
-        live = self.live.get(delta["rid"])
+    def _deliver(self, delta: Delta) -> None:
+        if delta.abort:  # a stop string ended it in the detokenizer: free it upstream
+            asyncio.get_running_loop().create_task(self.send("tokenizer", Abort(), delta.rid))
+        live = self.live.get(delta.rid)
         if live is None:
             return
-        live.generated += delta.get("token_ids", ())
-        live.inbox.put_nowait(delta)
-        if "error" in delta or delta.get("finish") is not None:
-            self._forget(delta["rid"])
+        live.generated += delta.token_ids
+        live.inbox.put_nowait(delta.as_dict())
+        if delta.error is not None or delta.finish is not None:
+            self._forget(delta.rid)
 
     async def _ping(self) -> None:
         """A ping through tokenizer, scheduler, engine and detokenizer back here keeps /health honest."""
@@ -129,11 +126,11 @@ class ApiWorker(Actor):
             await asyncio.sleep(PING_S)
 
     async def _send_ping(self) -> None:
-        await self.send("tokenizer", Kind.PING, make_rid(self.worker, 0), {})
+        await self.send("tokenizer", Ping(), make_rid(self.worker, 0))
 
     def _forget(self, rid: int) -> None:
         self.live.pop(rid, None)
-        self.slot["gauges"][LIVE_GAUGE] = len(self.live)
+        self.slot["gauges"][ApiGauge.LIVE] = len(self.live)
 
     # -- the Gateway the app talks to ---------------------------------------------------------
 
@@ -145,17 +142,18 @@ class ApiWorker(Actor):
                            "this server runs and queues at once", param="n")
         if self.control.draining:
             raise Overloaded("the server is shutting down")
-        if sum(self.control.slots[i]["gauges"][LIVE_GAUGE] for i in self._workers) + count > self.capacity:
+        if sum(self.control.slots[i]["gauges"][ApiGauge.LIVE] for i in self._workers) + count > self.capacity:
             raise Overloaded("the server is at capacity: every running and queued place is taken")
 
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int:
         rid = make_rid(self.worker, next(self._counter))
         if meta["params"]["seed"] is None:  # picked here, so that a replay samples the same tokens
             meta["params"]["seed"] = random.getrandbits(63)
-        self.live[rid] = LiveRequest(meta, ids, inbox)
-        self.slot["gauges"][LIVE_GAUGE] = len(self.live)
+        submit = Submit(meta["params"], Detok(**meta["detok"]), meta["trace"], meta["messages"], meta["prompt"], ids)
+        self.live[rid] = LiveRequest(submit, inbox)
+        self.slot["gauges"][ApiGauge.LIVE] = len(self.live)
         try:
-            await self.send("tokenizer", Kind.SUBMIT, rid, meta, [ids] if ids is not None else ())
+            await self.send("tokenizer", submit, rid)
         except BaseException as exc:  # cancelled by a client that left, or too large for the ring
             self._forget(rid)
             if isinstance(exc, PayloadTooLarge):  # a prompt of megabytes: a body may outgrow the ring
@@ -166,13 +164,13 @@ class ApiWorker(Actor):
     async def abort(self, rid: int) -> None:
         if rid in self.live:
             self._forget(rid)
-            await self.send("tokenizer", Kind.ABORT, rid, {})
+            await self.send("tokenizer", Abort(), rid)
 
     async def flush_cache(self) -> int:
         rid = make_rid(self.worker, next(self._counter))
         self._flushes[rid] = flushed = asyncio.get_running_loop().create_future()
         try:
-            await self.send("tokenizer", Kind.FLUSH_CACHE, rid, {})
+            await self.send("tokenizer", FlushCache(), rid)
             return await asyncio.wait_for(flushed, FLUSH_TIMEOUT_S)
         except TimeoutError:
             raise ApiError("the prefix cache flush was lost in a restart of the pipeline; flush again", 503,
@@ -181,7 +179,7 @@ class ApiWorker(Actor):
             self._flushes.pop(rid, None)
 
     def limits(self) -> Limits:
-        token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TOKEN_BYTES_GAUGE])  # 0 until it has loaded
+        token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
         return Limits(self.max_model_len, self.vocab_size, token_bytes)
 
     def healthy(self) -> bool:
@@ -191,4 +189,4 @@ class ApiWorker(Actor):
     def server_info(self) -> dict:
         gauges = self.control.slots[self.control.index("scheduler")]["gauges"]
         return {"model": self.served_model, "max_model_len": self.max_model_len, "epoch": self.epoch,
-                "scheduler": dict(zip(SCHEDULER_GAUGES, map(int, gauges)))}
+                "scheduler": {g.name.lower(): int(gauges[g]) for g in SchedulerGauge}}

@@ -21,9 +21,10 @@ import structlog
 import uvloop
 
 from actors.control import ActorState, ControlBlock
+from actors.frames import Payload
 from actors.topology import ActorSpec
-from runtime.gc_pauses import freeze_startup_heap, log_long_pauses
-from runtime.logs import bind_process, configure_logging
+from runtime.obs.gc_pauses import freeze_startup_heap, log_long_pauses
+from runtime.obs.logs import bind_process, configure_logging
 from transport import codec
 from transport.ring import Frame, RingHandle, RingReader, RingWriter, recv_any_async
 from transport.wakeup import Doorbell
@@ -103,14 +104,15 @@ class Actor:
                     return peer, frame
         return None
 
-    async def send(self, peer: str, kind: int, rid: int, meta: dict, arrays=(), epoch: int | None = None) -> None:
+    async def send(self, peer: str, payload: Payload, rid: int = 0, epoch: int | None = None) -> None:
         """`epoch`: that of the frame this output comes from. The actor may have moved to a newer
         epoch while it worked (across an await); output of a gone epoch is dropped here rather
         than stamped as new."""
         epoch = self.epoch if epoch is None else epoch
         if epoch < self.epoch:
             return
-        await codec.send(self.outputs[peer], kind, rid, meta, arrays, epoch=epoch)
+        meta, arrays = payload.to_wire()
+        await codec.send(self.outputs[peer], payload.KIND, rid, meta, arrays, epoch=epoch)
 
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch

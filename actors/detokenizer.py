@@ -1,9 +1,8 @@
 """The detokenizer actor: incremental, UTF-8-safe text; stop strings across chunks; logprob text.
 
-Text comes from tokenizers' own incremental decoder (`DecodeStream`), which holds text back while
-it ends inside a multi-byte character: 1.7 us a token against 9.4 for two Python-level decodes of
-a sliding window (Qwen3's tokenizer, on the 2-core development machine). Everything it keeps per
-request can be rebuilt from token ids, so a replay restores it.
+Text comes from tokenizers' incremental decoder (`DecodeStream`, far cheaper than re-decoding a
+window in Python), which holds text back inside a multi-byte character. Everything kept per request
+can be rebuilt from token ids, so a replay restores it.
 """
 
 from __future__ import annotations
@@ -15,10 +14,10 @@ import structlog
 from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
-from actors.kinds import Kind, worker_of
-from runtime.model_source import load_tokenizer
-from runtime.stop_matcher import StopMatcher
-from transport.codec import unpack
+from actors.frames import Delta, Deltas, FlushCache, Ping, Refusal, TokenItem, Tokens, decode
+from actors.kinds import worker_of
+from runtime.models.source import load_tokenizer
+from runtime.text.stop_matcher import StopMatcher
 
 log = structlog.get_logger()
 
@@ -53,47 +52,39 @@ class DetokenizerActor(Actor):
     async def run(self) -> None:
         while True:
             _, frame = await self.next_frame()
-            meta, arrays = unpack(frame)
-            if frame.kind in (Kind.PING, Kind.FLUSH_CACHE):
-                await self.send(f"api{worker_of(frame.rid)}", frame.kind, frame.rid, meta, epoch=frame.epoch)
-                continue
-            if frame.kind == Kind.ERROR:
-                self.streams.pop(frame.rid, None)
-                await self.send(f"api{worker_of(frame.rid)}", Kind.DELTAS, 0, {"deltas": [{"rid": frame.rid, "error": meta}]},
-                                epoch=frame.epoch)
-                continue
-            by_worker: dict[int, list[dict]] = defaultdict(list)
-            tokens = iter(arrays[0].tolist())
-            for item in meta["items"]:
-                new = [next(tokens) for _ in range(item["n"])]
-                if (delta := self._apply(item, new)) is not None:
-                    by_worker[worker_of(item["rid"])].append(delta)
-            for worker, deltas in by_worker.items():
-                await self.send(f"api{worker}", Kind.DELTAS, 0, {"deltas": deltas}, epoch=frame.epoch)
+            match payload := decode(frame):
+                case Tokens(items=items):
+                    by_worker: dict[int, list[Delta]] = defaultdict(list)
+                    for item in items:
+                        if (delta := self._apply(item)) is not None:
+                            by_worker[worker_of(item.rid)].append(delta)
+                    for worker, deltas in by_worker.items():
+                        await self.send(f"api{worker}", Deltas(deltas), epoch=frame.epoch)
+                case Ping() | FlushCache():
+                    await self.send(f"api{worker_of(frame.rid)}", payload, frame.rid, epoch=frame.epoch)
+                case Refusal():
+                    self.streams.pop(frame.rid, None)
+                    await self.send(f"api{worker_of(frame.rid)}", Deltas([Delta(frame.rid, error=payload)]), epoch=frame.epoch)
 
-    def _apply(self, item: dict, new: list[int]) -> dict | None:
-        rid = item["rid"]
-        if "detok" in item:
-            detok = item["detok"]
-            skip = detok["skip_special_tokens"]
-            self.streams[rid] = Stream(detok["stop"], skip, detok["top_logprobs"], DecodeStream(skip_special_tokens=skip),
-                                       prompt_tokens=item["prompt_tokens"], cached_tokens=item["cached_tokens"])
-            for token in detok["generated"]:  # a replay: rebuild the state its client has already seen
+    def _apply(self, item: TokenItem) -> Delta | None:
+        rid, new = item.rid, item.token_ids
+        if (first := item.announce) is not None:
+            skip = first.detok.skip_special_tokens
+            self.streams[rid] = Stream(first.detok.stop, skip, first.detok.top_logprobs, DecodeStream(skip_special_tokens=skip),
+                                       prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
+            for token in first.generated:  # a replay: rebuild the state its client has already seen
                 self._advance(self.streams[rid], [token], None)
         stream = self.streams.get(rid)
         if stream is None:  # finished here already (a stop string), or aborted
             return None
-        text, finish = self._advance(stream, new, item["finish"])
-        delta = {"rid": rid, "text": text, "token_ids": new, "finish": finish}
-        if finish is not None and item["finish"] is None:
-            delta["abort"] = True  # a stop string ended it here: the scheduler must let go too
-        if "logprobs" in item:
-            delta["logprobs"] = self._logprob_entries(new, item["logprobs"], stream.top_logprobs)
+        text, finish = self._advance(stream, new, item.finish)
+        logprobs = None if item.logprobs is None else self._logprob_entries(new, item.logprobs, stream.top_logprobs)
+        usage = None
         if finish is not None:
             del self.streams[rid]
-            delta["usage"] = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-                              "cached_tokens": stream.cached_tokens}
-        return delta
+            usage = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
+                     "cached_tokens": stream.cached_tokens}
+        return Delta(rid, text, new, finish, abort=finish is not None and item.finish is None, logprobs=logprobs, usage=usage)
 
     def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
@@ -122,7 +113,7 @@ class DetokenizerActor(Actor):
             stream.decoder = DecodeStream(skip_special_tokens=stream.skip_special_tokens)
             return stream.decoder.step(self.backend, token) or ""
 
-    def _logprob_entries(self, new: list[int], top: list, keep: int) -> list[dict]:
+    def _logprob_entries(self, new: list[int], top: list[tuple[int, float]], keep: int) -> list[dict]:
         """The sampled token's log-probability, and the `keep` best alternatives with their text."""
         text = lambda t: self.tokenizer.decode([t])  # noqa: E731
         ranked = sorted(((int(i), lp) for i, lp in top), key=lambda pair: -pair[1])

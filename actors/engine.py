@@ -2,7 +2,7 @@
 
 It keeps the device busy: a plan that arrives while earlier steps still run is queued
 behind them at once, and a step's results are sent as soon as the device has them. While
-steps are in flight it stamps when it last made progress (PROGRESS_GAUGE); the supervisor treats
+steps are in flight it stamps when it last made progress (EngineGauge.PROGRESS); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
 
 A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
@@ -22,13 +22,10 @@ from typing import NamedTuple
 import structlog
 
 from actors.base import Actor
-from actors.kinds import Kind
-from actors.pipeline import POOL_GAUGE
-from actors.topology import PROGRESS_GAUGE
-from runtime.engine import Engine, PendingStep
-from runtime.metrics import metrics
-from runtime.step import plan_from_wire, results_to_wire
-from transport.codec import unpack
+from actors.frames import Ping, Step, StepResults, decode
+from actors.gauges import EngineGauge
+from runtime.engine.engine import Engine, PendingStep
+from runtime.obs.metrics import metrics
 
 log = structlog.get_logger()
 
@@ -45,9 +42,9 @@ class InFlight(NamedTuple):
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
-        self.slot["gauges"][PROGRESS_GAUGE] = 0.0  # a stamp left by a predecessor that died mid-step
+        self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         config = serve.engine
-        if pages := int(self.slot["gauges"][POOL_GAUGE]):  # a restart keeps the pool the scheduler knows
+        if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
         self.engine = Engine(Path(serve.model_dir), config)
@@ -55,24 +52,26 @@ class EngineActor(Actor):
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration
-        self.slot["gauges"][POOL_GAUGE] = self.engine.num_pages  # the scheduler sizes its page table from this
+        self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
 
     def on_epoch(self, epoch: int) -> None:
         self.engine.reset()
         self.in_flight.clear()
-        self.slot["gauges"][PROGRESS_GAUGE] = 0.0
+        self.slot["gauges"][EngineGauge.PROGRESS] = 0.0
 
     async def run(self) -> None:
         while True:
             await self.yield_if_due()
             got = self.poll_frame() if self.in_flight else await self.next_frame()
             if got is not None:
-                if got[1].kind == Kind.PING:
-                    await self.send("scheduler", Kind.PING, got[1].rid, {})
+                payload = decode(got[1])
+                if isinstance(payload, Ping):
+                    await self.send("scheduler", payload, got[1].rid)
                     continue
-                plan = plan_from_wire(*unpack(got[1]))
+                assert isinstance(payload, Step)
+                plan = payload.plan
                 if not self.in_flight:
-                    self.slot["gauges"][PROGRESS_GAUGE] = time.monotonic()
+                    self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step
                 pending = self.engine.launch(plan)
                 self.in_flight.append(InFlight(plan.step, pending, launched, time.monotonic() - launched,
@@ -83,12 +82,12 @@ class EngineActor(Actor):
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
                 continue
             done = self.in_flight.popleft()
-            meta, arrays = results_to_wire(done.step, done.pending.result())
+            results = done.pending.result()
             now = time.monotonic()
             duration = now - max(done.launched, self.last_done)
             self.m_step_duration.observe(duration)
             log.debug("step", step=done.step, prefill_tokens=done.prefill_tokens, decodes=done.decodes,
                       launch_ms=round(done.launch_s * 1e3, 3), duration_ms=round(duration * 1e3, 3))
             self.last_done = now
-            self.slot["gauges"][PROGRESS_GAUGE] = now if self.in_flight else 0.0
-            await self.send("scheduler", Kind.SAMPLED, done.step, meta, arrays)
+            self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
+            await self.send("scheduler", StepResults(done.step, results), done.step)

@@ -4,12 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from actors.gauges import ApiGauge
 from actors.topology import ActorSpec, Edge, Topology
 from runtime.config import EngineConfig
-
-LIVE_GAUGE = 0  # an api worker's live requests: summed across workers for admission, awaited on drain
-POOL_GAUGE = 0  # the engine's KV pool in pages: the scheduler's page table is sized from it
-TOKEN_BYTES_GAUGE = 0  # the tokenizer's longest token in bytes: api workers refuse longer prompts unencoded
 
 
 @dataclass(frozen=True)
@@ -39,7 +36,7 @@ def pipeline(config: ServeConfig) -> Topology:
         ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True,
                   watchdog_s=config.watchdog_timeout),
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options),
-        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=LIVE_GAUGE)
+        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
           for i, name in enumerate(workers)),
     )
     edges = (

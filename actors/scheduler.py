@@ -17,14 +17,13 @@ from pathlib import Path
 import structlog
 
 from actors.base import Actor
-from actors.kinds import Kind
-from actors.pipeline import POOL_GAUGE
+from actors.frames import Abort, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
+from actors.gauges import EngineGauge, SchedulerGauge
 from runtime.config import ModelConfig
-from runtime.metrics import metrics
+from runtime.obs.metrics import metrics
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Request, Scheduler
-from runtime.step import StepPlan, plan_to_wire, results_from_wire
-from transport.codec import unpack
+from runtime.scheduler.scheduler import Request, Scheduler
+from runtime.step import StepPlan
 from transport.ring import Frame
 
 log = structlog.get_logger()
@@ -60,9 +59,9 @@ class SchedulerActor(Actor):
         self.engine_config = serve.engine
         self.eos, self.max_position = model.eos_token_ids, model.max_position
         engine = self.control.slots[self.control.index("engine")]
-        while not engine["gauges"][POOL_GAUGE]:  # the engine sizes the KV pool once its weights are in place
+        while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
-        self.num_pages = int(engine["gauges"][POOL_GAUGE])
+        self.num_pages = int(engine["gauges"][EngineGauge.POOL])
         m, model = metrics(), serve.served_model_name
         self.m_queue_time, self.m_batch = m.queue_time.labels(model), m.batch_size
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(model), m.generation_tokens.labels(model)
@@ -73,7 +72,7 @@ class SchedulerActor(Actor):
 
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
-        self.announce: dict[int, dict] = {}  # what the detokenizer needs with a request's first tokens
+        self.announce: dict[int, tuple[Detok, list[int]]] = {}  # for the detokenizer, with a request's first tokens
         self.timelines: dict[int, Timeline] = {}
         self.in_flight: deque[int] = deque()
         self._publish_gauges()  # a new epoch starts empty
@@ -95,8 +94,7 @@ class SchedulerActor(Actor):
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
                 self._on_planned(plan)
-                meta, arrays = plan_to_wire(plan)
-                await self.send("engine", Kind.STEP, plan.step, meta, arrays, epoch=epoch)
+                await self.send("engine", Step(plan), plan.step, epoch=epoch)
                 if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
                     self.in_flight.append(plan.step)
                 self._publish_gauges()
@@ -104,35 +102,34 @@ class SchedulerActor(Actor):
             await self._handle(*await self.next_frame())
 
     async def _handle(self, peer: str, frame: Frame) -> None:
-        meta, arrays = unpack(frame)
-        if frame.kind == Kind.REQUEST:
-            params = SamplingParams(**meta["params"])
-            generated = arrays[1].tolist()
-            try:
-                request = self.core.add(frame.rid, arrays[0].tolist(), params, generated)
-            except ValueError as exc:
-                await self.send("detokenizer", Kind.ERROR, frame.rid, {"message": str(exc), "status": 400})
-                return
-            self.announce[frame.rid] = {**meta["detok"], "generated": generated}
-            self.timelines[frame.rid] = Timeline(meta["trace"], time.monotonic())
-            log.info("queued", rid=meta["trace"], prompt_tokens=len(request.prompt_ids), generated=len(generated),
-                     waiting=len(self.core.waiting))
-            self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
-        elif frame.kind == Kind.PING:
-            await self.send("engine" if peer == "tokenizer" else "detokenizer", Kind.PING, frame.rid, {})
-        elif frame.kind == Kind.FLUSH_CACHE:
-            pages = self.core.flush_cache()
-            self._publish_gauges()  # before the answer, as in _emit
-            await self.send("detokenizer", Kind.FLUSH_CACHE, frame.rid, {"pages": pages})
-        elif frame.kind == Kind.ABORT:
-            self.timelines.pop(frame.rid, None)
-            if (request := self.core.abort(frame.rid)) is not None:
-                await self._emit([request])
-        elif frame.kind == Kind.ERROR:
-            await self.send("detokenizer", Kind.ERROR, frame.rid, meta)
-        elif frame.kind == Kind.SAMPLED:
-            self.in_flight.remove(meta["step"])
-            await self._emit(self.core.update(meta["step"], results_from_wire(meta, arrays)))
+        rid = frame.rid
+        match decode(frame):
+            case StepResults(step=step, results=results):
+                self.in_flight.remove(step)
+                await self._emit(self.core.update(step, results))
+            case Tokenized() as req:
+                try:
+                    request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
+                except ValueError as exc:
+                    await self.send("detokenizer", Refusal(str(exc)), rid)
+                    return
+                self.announce[rid] = (req.detok, req.generated)
+                self.timelines[rid] = Timeline(req.trace, time.monotonic())
+                log.info("queued", rid=req.trace, prompt_tokens=len(request.prompt_ids), generated=len(req.generated),
+                         waiting=len(self.core.waiting))
+                self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
+            case Ping() as ping:
+                await self.send("engine" if peer == "tokenizer" else "detokenizer", ping, rid)
+            case FlushCache():
+                pages = self.core.flush_cache()
+                self._publish_gauges()  # before the answer, as in _emit
+                await self.send("detokenizer", FlushCache(pages), rid)
+            case Abort():
+                self.timelines.pop(rid, None)
+                if (request := self.core.abort(rid)) is not None:
+                    await self._emit([request])
+            case Refusal() as refusal:
+                await self.send("detokenizer", refusal, rid)
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
         """A frame per step: each request's newest token, and its finish reason if it finished
@@ -142,36 +139,32 @@ class SchedulerActor(Actor):
         if not requests:
             return
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
-        frames: list[tuple[list[dict], list[int]]] = []
+        frames: list[list[TokenItem]] = []
         in_frame = TOKENS_FRAME_BYTES
         for request in requests:
-            item = {"rid": request.rid, "finish": request.finish_reason}
-            size = 64 + 32 * (request.params.logprobs or 0)
-            if request.rid in self.announce:  # first tokens: what the detokenizer must know
-                item.update(detok=self.announce.pop(request.rid), prompt_tokens=len(request.prompt_ids),
-                            cached_tokens=request.cached_tokens)
-                detok = item["detok"]  # a replay's tokens so far, and the stop strings (6 bytes a character, escaped)
-                size += 12 * len(detok["generated"]) + 6 * sum(map(len, detok["stop"]))
+            announce, size = None, 64 + 32 * (request.params.logprobs or 0)
+            if (first := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know
+                announce = Announce(*first, len(request.prompt_ids), request.cached_tokens)
+                # a replay's tokens so far, and the stop strings (up to 6 bytes a character, escaped)
+                size += 4 * len(announce.generated) + 6 * sum(map(len, announce.detok.stop))
                 self._on_prefilled(request)
             if in_frame + size > TOKENS_FRAME_BYTES:
-                frames.append(([], []))
+                frames.append([])
                 in_frame = 0
             in_frame += size
-            items, tokens = frames[-1]
             if request.finish_reason is not None:
                 self._on_finished(request)
-            if request.finish_reason == "abort" or not with_token:
-                item["n"] = 0
-            else:
-                item["n"] = 1
-                tokens.append(request.output_ids[-1])
+            tokens, logprobs = [], None
+            if request.finish_reason != "abort" and with_token:
+                tokens = [request.output_ids[-1]]
                 if request.params.logprobs is not None:
-                    item["logprobs"] = list(request.logprobs[-1].items())
-            items.append(item)
-        for items, tokens in frames:
-            self.m_generation_tokens.inc(len(tokens))
-            self.window.generation_tokens += len(tokens)
-            await self.send("detokenizer", Kind.TOKENS, 0, {"items": items}, [tokens], epoch=epoch)
+                    logprobs = list(request.logprobs[-1].items())
+            frames[-1].append(TokenItem(request.rid, request.finish_reason, tokens, logprobs, announce))
+        for items in frames:
+            sent = sum(len(item.token_ids) for item in items)
+            self.m_generation_tokens.inc(sent)
+            self.window.generation_tokens += sent
+            await self.send("detokenizer", Tokens(items), epoch=epoch)
 
     # -- observability --------------------------------------------------------------------------
 
@@ -222,10 +215,11 @@ class SchedulerActor(Actor):
                 prefix_hit_rate=round(w.prefix_hits / w.prefix_queries, 4) if w.prefix_queries else None)
 
     def _publish_gauges(self) -> None:
-        core = self.core
+        core, gauges = self.core, self.slot["gauges"]
         used = core.used_pages()
-        self.slot["gauges"][:5] = (used, core.allocator.num_pages, len(core.running), len(core.waiting),
-                                   core.cache.cached_pages if core.cache else 0)
+        gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, core.allocator.num_pages
+        gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
+        gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
         self.m_running.set(len(core.running))
         self.m_waiting.set(len(core.waiting))
         self.m_kv_usage.set(used / core.allocator.num_pages)

@@ -21,9 +21,10 @@ import structlog
 
 from actors.base import ActorContext, actor_main
 from actors.control import ActorState, ControlBlock, pid_alive
-from actors.topology import PROGRESS_GAUGE, Topology
-from runtime.logs import configure_logging
-from runtime.metrics import metrics, prepare_dir
+from actors.gauges import PROGRESS_GAUGE
+from actors.topology import Topology
+from runtime.obs.logs import configure_logging
+from runtime.obs.metrics import metrics, prepare_dir
 from transport.ring import Ring
 from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_segment
 from transport.wakeup import Doorbell
@@ -102,7 +103,7 @@ class Supervisor:
 
     @property
     def metrics_dir(self) -> str:
-        """Where every process of this server writes its Prometheus samples (see runtime.metrics)."""
+        """Where every process of this server writes its Prometheus samples (see runtime.obs.metrics)."""
         return f"{self.topology.prefix}metrics"
 
     def start(self) -> None:

@@ -1,5 +1,5 @@
 """The tokenizer actor: chat templates and batch encoding of everything that is waiting (through
-tiktoken where the model's tokenizer allows it: runtime.fast_encode).
+tiktoken where the model's tokenizer allows it: runtime.text.fast_encode).
 
 Stateless: each frame is a whole request, and the result goes straight on to the scheduler. A
 replayed request is encoded again (encoding is deterministic) and keeps the tokens it already has.
@@ -24,14 +24,13 @@ from typing import Any
 import structlog
 
 from actors.base import Actor
-from actors.kinds import Kind
-from actors.pipeline import TOKEN_BYTES_GAUGE
+from actors.frames import Abort, Payload, Refusal, Submit, Tokenized, decode
+from actors.gauges import TokenizerGauge
 from api.protocol import context_overflow
 from runtime.config import ModelConfig
-from runtime.fast_encode import Encode, encode_with_transformers, fast_encoder
-from runtime.model_source import load_tokenizer
-from runtime.prompt_length import encode_unless_longer, max_token_bytes
-from transport.codec import unpack
+from runtime.models.source import load_tokenizer
+from runtime.text.fast_encode import Encode, encode_with_transformers, fast_encoder
+from runtime.text.prompt_length import encode_unless_longer, max_token_bytes
 from transport.ring import Frame
 
 log = structlog.get_logger()
@@ -41,22 +40,19 @@ MAX_BATCH = 256  # frames taken in one batch, so that a flood still lets the loo
 _libc = ctypes.CDLL(None)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Submission:
-    """A frame as the tokenizer needs it, copied out of the ring."""
+    """A SUBMIT frame, decoded, with the rid and epoch it came with."""
 
-    kind: Kind
     rid: int
     epoch: int
-    meta: dict
-    ids: list[int] | None  # token ids the client sent instead of text
-    generated: list[int]  # a replay's tokens so far
+    req: Submit
 
     @property
     def text_chars(self) -> int:
-        if (messages := self.meta.get("messages")) is not None:
-            return sum(len(m["content"]) + MESSAGE_CHARS for m in messages)
-        return len(self.meta.get("prompt") or "")
+        if self.req.messages is not None:
+            return sum(len(m["content"]) + MESSAGE_CHARS for m in self.req.messages)
+        return len(self.req.prompt or "")
 
 
 def _encoder(tokenizer: Any) -> Encode:
@@ -77,7 +73,7 @@ class TokenizerActor(Actor):
         self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits or encodes
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
-        self.slot["gauges"][TOKEN_BYTES_GAUGE] = max_token_bytes(self.tokenizer)  # the api workers' length bound
+        self.slot["gauges"][TokenizerGauge.TOKEN_BYTES] = max_token_bytes(self.tokenizer)  # the api workers' length bound
 
     async def teardown(self) -> None:
         self.lane.shutdown(wait=False, cancel_futures=True)
@@ -88,18 +84,18 @@ class TokenizerActor(Actor):
             while len(batch) < MAX_BATCH and (more := self.poll_frame()) is not None:
                 batch.append(self._decode(more))
             submissions: dict[int, Submission] = {}
-            for sub in batch:
-                if sub.kind != Kind.SUBMIT:
-                    if sub.kind == Kind.ABORT:
-                        submissions.pop(sub.rid, None)  # submitted and aborted in one batch: never forward it
-                        if (sub.rid, sub.epoch) in self.in_lane:
-                            self.in_lane[sub.rid, sub.epoch] = True
-                    await self.send("scheduler", sub.kind, sub.rid, {}, epoch=sub.epoch)
-                else:
-                    submissions[sub.rid] = sub
+            for rid, epoch, payload in batch:
+                if isinstance(payload, Submit):
+                    submissions[rid] = Submission(rid, epoch, payload)
+                    continue
+                if isinstance(payload, Abort):
+                    submissions.pop(rid, None)  # submitted and aborted in one batch: never forward it
+                    if (rid, epoch) in self.in_lane:
+                        self.in_lane[rid, epoch] = True
+                await self.send("scheduler", payload, rid, epoch=epoch)  # an abort, ping or flush
             short = []
             for sub in submissions.values():
-                if sub.ids is None and sub.text_chars > LONG_PROMPT_CHARS:
+                if sub.req.ids is None and sub.text_chars > LONG_PROMPT_CHARS:
                     self.in_lane[sub.rid, sub.epoch] = False
                     asyncio.get_running_loop().create_task(self._tokenize_long(sub))
                 else:
@@ -108,30 +104,25 @@ class TokenizerActor(Actor):
                 await self._tokenize(short)
 
     @staticmethod
-    def _decode(got: tuple[str, Frame]) -> Submission:
+    def _decode(got: tuple[str, Frame]) -> tuple[int, int, Payload]:
         """Everything the frame says, as Python objects: its space is the writer's at the next receive."""
         frame = got[1]
-        if frame.kind != Kind.SUBMIT:  # an abort, ping or flush: no payload to keep
-            return Submission(frame.kind, frame.rid, frame.epoch, {}, None, [])
-        meta, arrays = unpack(frame)
-        ids = arrays[0].tolist() if arrays and len(arrays[0]) else None
-        generated = arrays[1].tolist() if len(arrays) > 1 else []
-        return Submission(frame.kind, frame.rid, frame.epoch, meta, ids, generated)
+        return frame.rid, frame.epoch, decode(frame)
 
     async def _tokenize(self, submissions: list[Submission]) -> None:
         started = time.monotonic()
         texts, todo = [], []
         for sub in submissions:
-            if sub.ids is None:
+            if sub.req.ids is None:
                 try:
-                    texts.append(self._text_of(self.tokenizer, sub.meta))
+                    texts.append(self._text_of(self.tokenizer, sub.req))
                 except Exception as exc:  # a template that rejects the messages
                     await self._refuse(sub, f"the chat template failed: {exc}")
                     continue
             todo.append(sub)
         encoded = iter(self.encode(texts)) if texts else iter(())
         for sub in todo:  # each goes on as soon as its ids are ready
-            await self._forward(sub, sub.ids if sub.ids is not None else next(encoded), started, len(todo))
+            await self._forward(sub, sub.req.ids if sub.req.ids is not None else next(encoded), started, len(todo))
 
     async def _tokenize_long(self, sub: Submission) -> None:
         started = time.monotonic()
@@ -142,7 +133,7 @@ class TokenizerActor(Actor):
         if self.in_lane.pop((sub.rid, sub.epoch), True):
             return  # aborted while it encoded: the abort has gone on already
         if ids is None:
-            param = "messages" if sub.meta.get("messages") is not None else "prompt"
+            param = "messages" if sub.req.messages is not None else "prompt"
             await self._refuse(sub, f"this model's maximum context length is {self.max_position} tokens; the prompt "
                                     "has more than that", param=param)
         elif isinstance(ids, str):
@@ -156,32 +147,32 @@ class TokenizerActor(Actor):
         if self.in_lane.get((sub.rid, sub.epoch), True):
             return None
         try:
-            return encode_unless_longer(self.lane_encode, self._text_of(self.lane_tokenizer, sub.meta), self.max_position)
+            return encode_unless_longer(self.lane_encode, self._text_of(self.lane_tokenizer, sub.req), self.max_position)
         finally:
             _libc.malloc_trim(0)  # hand the encoding's megabytes back to the system
 
     async def _forward(self, sub: Submission, ids: list[int], started: float, batch: int) -> None:
-        meta, limit = sub.meta, self.max_position
-        log.info("tokenized", rid=meta["trace"], prompt_tokens=len(ids), batch=batch,
+        req, limit = sub.req, self.max_position
+        log.info("tokenized", rid=req.trace, prompt_tokens=len(ids), batch=batch,
                  tokenize_s=round(time.monotonic() - started, 6))
-        if meta["params"]["max_tokens"] is None:  # the rest of the context, as vLLM does
-            meta["params"]["max_tokens"] = max(1, limit - len(ids))
+        params = req.params
+        if params["max_tokens"] is None:  # the rest of the context, as vLLM does
+            params = {**params, "max_tokens": max(1, limit - len(ids))}
         if not ids:
             await self._refuse(sub, "the prompt is empty")
         elif max(ids) >= self.vocab_size:
             await self._refuse(sub, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
-        elif message := context_overflow(limit, len(ids), meta["params"]["max_tokens"]):
+        elif message := context_overflow(limit, len(ids), params["max_tokens"]):
             await self._refuse(sub, message, param="max_tokens")
-        else:
-            forwarded = {key: meta[key] for key in ("params", "detok", "trace")}  # the prompt's text stays here
-            await self.send("scheduler", Kind.REQUEST, sub.rid, forwarded, [ids, sub.generated], epoch=sub.epoch)
+        else:  # the prompt's text stays here
+            await self.send("scheduler", Tokenized(params, req.detok, req.trace, ids, req.generated), sub.rid, epoch=sub.epoch)
 
     @staticmethod
-    def _text_of(tokenizer: Any, meta: dict) -> str:
-        if meta.get("messages") is not None:
-            return tokenizer.apply_chat_template(meta["messages"], add_generation_prompt=True, tokenize=False)
-        return meta["prompt"]
+    def _text_of(tokenizer: Any, req: Submit) -> str:
+        if req.messages is not None:
+            return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        return req.prompt
 
     async def _refuse(self, sub: Submission, message: str, param: str | None = None) -> None:
-        await self.send("scheduler", Kind.ERROR, sub.rid, {"message": message, "param": param, "status": 400}, epoch=sub.epoch)
+        await self.send("scheduler", Refusal(message, 400, param), sub.rid, epoch=sub.epoch)
 

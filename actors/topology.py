@@ -8,8 +8,6 @@ from typing import Any
 
 from transport.segment import server_prefix
 
-PROGRESS_GAUGE = 1  # where an actor with a watchdog stamps its progress
-
 
 @dataclass(frozen=True)
 class ActorSpec:
@@ -18,8 +16,8 @@ class ActorSpec:
     entry: str  # "module:Class" of an actors.base.Actor subclass, imported in the child
     options: dict[str, Any] = field(default_factory=dict)
     torch_threads: bool = False  # only the engine computes with torch; the rest get one thread
-    # a watchdog: when set, a ready actor whose progress stamp (PROGRESS_GAUGE, a CLOCK_MONOTONIC time
-    # while it has work, 0 when idle) is older than this is killed and restarted; its heartbeat still
+    # a watchdog: when set, a ready actor whose progress stamp (actors.gauges.PROGRESS_GAUGE, a CLOCK_MONOTONIC
+    # time while it has work, 0 when idle) is older than this is killed and restarted; its heartbeat still
     # answers to the supervisor's hang timeout, so a watchdog can only make a restart come sooner
     watchdog_s: float | None = None
     drain_gauge: int | None = None  # gauge counting requests in hand: on SIGTERM, wait for it to reach 0

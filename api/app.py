@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import itertools
 import time
 from collections import OrderedDict
@@ -14,14 +15,26 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.protocol import ApiError, Completion, Limits, choice, envelope, logprobs_block, parse, usage
-from runtime.metrics import exposition, metrics
+from api.protocol import (
+    ApiError,
+    Completion,
+    Limits,
+    choice,
+    envelope,
+    logprobs_block,
+    parse,
+    usage,
+)
+from runtime.obs.metrics import exposition, metrics
 
-if TYPE_CHECKING:  # prometheus_client is imported by runtime.metrics, once its storage is set
+if TYPE_CHECKING:  # prometheus_client is imported by runtime.obs.metrics, once its storage is set
     from prometheus_client import Counter, Histogram
 
 log = structlog.get_logger()
-VERSION = "0.1.0"
+try:
+    VERSION = importlib.metadata.version("ringllm")
+except importlib.metadata.PackageNotFoundError:  # a checkout on the path, not installed
+    VERSION = "unknown"
 MAX_BODY_BYTES = 8 << 20
 RETRY_AFTER_S = 1
 MAX_REQUEST_ID = 256  # characters of a client's X-Request-Id that are kept

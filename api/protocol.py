@@ -11,7 +11,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from runtime.prompt_length import text_bytes
+from runtime.text.prompt_length import text_bytes
 
 MAX_N = 64
 MAX_LOGPROBS = 20

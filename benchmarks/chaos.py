@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.kills = 1
     if args.model is None:
-        from runtime.model_source import default_model_dir
+        from runtime.models.source import default_model_dir
 
         args.model = str(default_model_dir())
     summary = asyncio.run(run(args))

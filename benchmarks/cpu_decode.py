@@ -1,4 +1,4 @@
-"""The CPU decode step with ringllm's kernels (runtime.cpu_kernels) and without, side by side.
+"""The CPU decode step with ringllm's kernels (runtime.kernels.cpu.build) and without, side by side.
 
 Why: on CPU a decode step streams every weight for a few rows and reads every sequence's KV pages;
 the kernels replace oneDNN's GEMM for steps of up to 12 rows and the page gather + SDPA of decode
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> dict:
         print(orjson.dumps(side(args.short, args.long, args.tokens)).decode())
         return {}
 
-    from runtime.cpu import cpuinfo
+    from runtime.models.cpu_linears import cpuinfo
 
     child = [sys.executable, "-m", "benchmarks.cpu_decode", "--side", "--tokens", str(args.tokens),
              "--short", str(args.short), "--long", str(args.long)]

@@ -31,6 +31,7 @@ from pathlib import Path
 import orjson
 
 from benchmarks.server import free_port, start_server, stop_server, wait_healthy
+from runtime.config import ATTENTION_BACKEND_NAMES, EngineConfig
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -147,7 +148,8 @@ def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: li
     options = engine_options(args)
     server = start_server(["--model", str(args.model), "--served-model-name", "bench", "--dummy-weights", "--port", str(port),
                            "--api-workers", str(args.api_workers),
-                           *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "mixed_chunk"),
+                           *(f"--{key.replace('_', '-')}={value}" for key, value in options.items()
+                             if key != "mixed_chunk" and value is not None),
                            *(["--enable-mixed-chunk"] if options["mixed_chunk"] else [])])
     try:
         return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, single))
@@ -165,14 +167,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--attention-backend", default="flashinfer" if cuda else "torch")
-    parser.add_argument("--page-size", type=int, default=16)
-    parser.add_argument("--max-running-requests", type=int, default=256)
-    parser.add_argument("--max-prefill-tokens", type=int, default=8192)
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
-    parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=3072)
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help="default: the device's")
+    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
+    parser.add_argument("--max-running-requests", type=int, default=EngineConfig.max_running_requests)
+    parser.add_argument("--max-prefill-tokens", type=int, help="default: the device's")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs)
+    parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=EngineConfig.cuda_graph_max_prefill_tokens)
     parser.add_argument("--enable-mixed-chunk", action="store_true")
-    parser.add_argument("--mem-fraction", type=float, default=0.85)
+    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction)
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
@@ -186,9 +188,11 @@ def main(argv: list[str] | None = None) -> None:
     figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
     figure = {"offline": max, "single": statistics.median}
+    config = EngineConfig(**engine_options(args))  # the device's defaults filled in, as the runs used them
+    resolved = {key: getattr(config, key) for key in engine_options(args)}
     runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(figure[name](values), 1),
              **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}), **sizes[name],
-             "command": command, "date": datetime.date.today().isoformat(), **engine_options(args),
+             "command": command, "date": datetime.date.today().isoformat(), **resolved,
              "gpu": _device_name(args.device), "versions": versions()} for name, values in figures.items()]
     for run in runs:
         print(f"{run['model']} {mode} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")

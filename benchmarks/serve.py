@@ -34,7 +34,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
-from runtime.model_source import load_tokenizer, resolve_model_dir
+from runtime.models.source import load_tokenizer, resolve_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SLOS = ("ttft", "tpot", "e2el")

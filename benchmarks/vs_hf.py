@@ -43,7 +43,13 @@ import aiohttp
 import orjson
 
 from benchmarks.offline import versions
-from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import (
+    free_port,
+    sse_events,
+    start_server,
+    stop_server,
+    wait_healthy,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -137,7 +143,7 @@ def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) 
     import torch
     from transformers import AutoModelForCausalLM, TextIteratorStreamer
 
-    from runtime.engine import resolve_dtype
+    from runtime.engine.engine import resolve_dtype
 
     device = torch.device(args.device)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
@@ -214,9 +220,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     import torch
 
-    from runtime.cpu import cpuinfo
-    from runtime.engine import resolve_dtype
-    from runtime.model_source import load_tokenizer, resolve_model_dir
+    from runtime.engine.engine import resolve_dtype
+    from runtime.kernels.cpu.build import cpuinfo
+    from runtime.models.source import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(args.model)
     tokenizer = load_tokenizer(model_dir, required=True)

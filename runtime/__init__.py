@@ -1,8 +1,5 @@
-"""Engine runtime: configuration, models, KV cache, scheduler, sampling and the offline API.
-
-`LLM` and `SamplingParams` load lazily, so that processes which only need `runtime.logs` or the
-command line never import torch.
-"""
+"""Engine runtime. `LLM` and `SamplingParams` load lazily, so that processes which only need
+`runtime.obs.logs` or the command line never import torch."""
 
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]
 

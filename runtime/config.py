@@ -11,7 +11,7 @@ from typing import Any
 @dataclass(frozen=True)
 class RopeConfig:
     theta: float = 10000.0
-    kind: str = "default"  # "default" or "llama3"
+    kind: str = "default"
     factor: float = 1.0
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
@@ -80,14 +80,15 @@ class ModelConfig:
 DEFAULT_KV_TOKENS = 16384
 
 
-def steps_in_flight_for(device: str) -> int:
-    """A CUDA launch returns before its step runs. With two steps in flight, one step's results had
-    to reach the scheduler and its next plan the engine (three process hops and a launch) within
-    one device step, which Qwen3-0.6B's 0.89 ms decode step on the H200 often did not leave: one
-    request decoded at 784-1,109 tok/s through the pipeline, and at 1,101-1,111 with three in flight
-    (benchmarks/results/h200-probe-session18.log). On CPU the launch computes the step, so a third
-    would only queue a new prefill one step later."""
-    return 3 if device.startswith("cuda") else 2
+ATTENTION_BACKEND_NAMES = ("torch", "flashinfer")
+
+
+def device_defaults(device: str) -> dict[str, Any]:
+    """Defaults by device: on CPU a large prefill chunk stalls every decode, and a launch computes its step,
+    so a third step in flight only queues; on CUDA it keeps the device fed while results cross processes."""
+    cuda = device.startswith("cuda")
+    return {"max_prefill_tokens": 8192 if cuda else 512, "attention_backend": "flashinfer" if cuda else "torch",
+            "steps_in_flight": 3 if cuda else 2}
 
 
 @dataclass(frozen=True)
@@ -96,24 +97,26 @@ class EngineConfig:
     num_pages: int | None = None  # None: sized from mem_fraction on CUDA, DEFAULT_KV_TOKENS tokens on CPU
     mem_fraction: float = 0.85  # CUDA: the share of device memory for weights and the KV pool
     cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
-    cuda_graph_max_prefill_tokens: int = 3072  # steps with prefill chunks up to this many tokens replay CUDA graphs; 0: off
-    max_prefill_tokens: int = 8192  # the chunk budget of one step
-    # False (SGLang's default): a step with prefill chunks carries no decodes, which then run as
-    # CUDA graphs; True: decodes ride along every step (steadier inter-token latency)
+    cuda_graph_max_prefill_tokens: int = 3072  # likewise for prefill steps of up to this many tokens
+    max_prefill_tokens: int | None = None
+    # False (SGLang's default): prefill steps carry no decodes; True: decodes ride along (steadier ITL)
     mixed_chunk: bool = False
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
     dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32
     device: str = "cpu"
     dummy_weights: bool = False
-    attention_backend: str = "torch"
+    attention_backend: str | None = None
     seed: int = 0  # seeds the per-request seeds of requests that bring none
-    steps_in_flight: int | None = None  # steps planned ahead of their results; None: by device (steps_in_flight_for)
+    steps_in_flight: int | None = None  # steps planned ahead of their results (1: no overlap); None: by device
 
     def __post_init__(self) -> None:
-        """Sizes that could never run: a chunk budget of 0 would hold every prompt forever."""
-        if self.steps_in_flight is None:
-            object.__setattr__(self, "steps_in_flight", steps_in_flight_for(self.device))
+        """Fill in the device's defaults, and refuse sizes that could never run."""
+        for name, value in device_defaults(self.device).items():
+            if getattr(self, name) is None:
+                object.__setattr__(self, name, value)
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, not {self.attention_backend!r}")
         at_least = {"page_size": 1, "max_prefill_tokens": 1, "max_running_requests": 1, "num_pages": 1,
                     "cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0, "steps_in_flight": 1}
         for name, least in at_least.items():

@@ -1,9 +1,4 @@
-"""The in-process offline API: scheduler and engine tied together with no processes.
-
-    from runtime import LLM, SamplingParams
-    llm = LLM("path/to/model", page_size=16)
-    outputs = llm.generate(["Hello"], SamplingParams(max_tokens=32, temperature=0))
-"""
+"""The in-process offline API: scheduler and engine tied together with no processes."""
 
 from __future__ import annotations
 
@@ -14,11 +9,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import EngineConfig
-from runtime.engine import Engine, PendingStep
-from runtime.gc_pauses import freeze_startup_heap
-from runtime.model_source import load_tokenizer, resolve_model_dir
+from runtime.engine.engine import Engine, PendingStep
+from runtime.models.source import load_tokenizer, resolve_model_dir
+from runtime.obs.gc_pauses import freeze_startup_heap
 from runtime.sampling_params import SamplingParams
-from runtime.scheduler import Request, Scheduler
+from runtime.scheduler.scheduler import Request, Scheduler
 
 
 @dataclass(frozen=True)
@@ -40,9 +35,6 @@ class LLM:
         self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
         self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()
-        # what start-up built (torch, transformers, the model) lives as long as the process: out of every
-        # later collection, as in each actor. Unfrozen, a full collection stopped launches for 211 ms in one
-        # of six offline rounds on the H200, at Qwen3-0.6B (benchmarks/results/h200-probe-session25.log)
         freeze_startup_heap()
 
     def generate(

@@ -1,9 +1,5 @@
-"""The step protocol between scheduler and engine: per step, only deltas travel.
-
-The engine keeps per-slot state (page table, length, last sampled token, sampling parameters);
-the scheduler sends new slots, appended pages, prefill chunks, decode slots and freed slots,
-and the engine answers with the token sampled for each slot that finished its input.
-"""
+"""The step protocol between scheduler and engine: the engine keeps per-slot state, and only deltas
+travel (new slots, pages, chunks, decodes, freed slots; back, one sampled token per finished input)."""
 
 from __future__ import annotations
 
@@ -11,8 +7,7 @@ from dataclasses import dataclass, field
 
 from runtime.sampling_params import SamplingParams
 
-# the histories one plan carries for the slots it opens (4 bytes a token): a quarter of the
-# scheduler->engine ring, however many long prompts a step admits
+# the histories one plan carries for the slots it opens: a quarter of the scheduler->engine ring
 MAX_PLAN_HISTORY_TOKENS = 1 << 20
 
 
@@ -22,7 +17,7 @@ class NewSlot:
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
-    output_ids: list[int]  # tokens generated before a preemption; penalties and positions count them
+    output_ids: list[int]  # tokens generated before a preemption
     cached: int  # leading tokens whose KV the slot's first pages already hold (prefix cache)
 
 

@@ -94,7 +94,7 @@ def server() -> str:
 
 def ringllm(*args: str, check: bool = True, timeout: float = 60) -> subprocess.CompletedProcess:
     """Run the real `ringllm` command line."""
-    result = subprocess.run([sys.executable, "-m", "runtime.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    result = subprocess.run([sys.executable, "-m", "actors.cli", *args], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
     if check and result.returncode:
         raise AssertionError(f"ringllm {' '.join(args)} failed: {result.stderr}")
     return result
@@ -120,7 +120,7 @@ class RunningSupervisor:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"supervisor ignored signal {sig} for {timeout} s")
+            raise AssertionError(f"supervisor ignored signal {sig} for {timeout} s") from None
 
 
 @pytest.fixture
@@ -176,7 +176,7 @@ def tiny_model(tmp_path_factory) -> Callable[[str], Path]:
 
 @pytest.fixture(scope="session")
 def smollm2() -> Path:
-    from runtime.model_source import default_model_dir
+    from runtime.models.source import default_model_dir
 
     return default_model_dir()
 
@@ -218,7 +218,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"ringllm serve ignored signal {sig} for {timeout} s")
+            raise AssertionError(f"ringllm serve ignored signal {sig} for {timeout} s") from None
         return time.monotonic() - started
 
 
@@ -229,7 +229,7 @@ def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Serv
         args = (*args, "--dtype", "float32")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.cli", "serve", "--model", str(model_dir), "--served-model-name", model,
+            [sys.executable, "-m", "actors.cli", "serve", "--model", str(model_dir), "--served-model-name", model,
              "--port", str(port), *args],
             cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
         )

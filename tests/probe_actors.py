@@ -15,7 +15,8 @@ from collections import Counter
 import orjson
 
 from actors.base import Actor
-from actors.topology import PROGRESS_GAUGE, ActorSpec, Edge, Topology
+from actors.gauges import PROGRESS_GAUGE
+from actors.topology import ActorSpec, Edge, Topology
 from transport.ring import Frame
 
 KIND_DATA = 1

@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from benchmarks.serve import arrival_times, make_prompts, parse_args, run_benchmark
-from runtime.model_source import load_tokenizer
+from runtime.models.source import load_tokenizer
 from tests.conftest import ringllm
 
 SMALL = ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos", "--disable-tqdm"]

@@ -13,9 +13,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from runtime import cpu_kernels
-from runtime.attention import AttentionMeta, ForwardBatch, KVPool, TorchAttention
-from runtime.cpu import SKINNY_ROWS, SkinnyLinear, cpuinfo, prepack_linears
+from runtime.attention.pool import KVPool
+from runtime.attention.torch_backend import TorchAttention
+from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.kernels.cpu import build as cpu_kernels
+from runtime.kernels.cpu.build import cpuinfo
+from runtime.models.cpu_linears import SKINNY_ROWS, SkinnyLinear, prepack_linears
 from tests.conftest import ROOT
 
 BUILDS_HERE = {"avx2", "fma"} <= set(cpuinfo("flags").split()) and shutil.which("c++") is not None
@@ -33,7 +36,7 @@ def test_a_build_killed_midway_does_not_block_later_loads():
     baton = cpu_kernels.build_directory() / "lock"
     baton.touch()
     try:
-        loaded = subprocess.run([sys.executable, "-c", "from runtime import cpu_kernels; print(cpu_kernels.available())"],
+        loaded = subprocess.run([sys.executable, "-c", "from runtime.kernels.cpu import build; print(build.available())"],
                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert loaded.stdout.strip() == "True", loaded.stderr
         assert not baton.exists()
@@ -122,7 +125,7 @@ def test_paged_decode_attention_matches_sdpa_on_gathered_pages(heads, kv_heads, 
 
 @pytest.mark.parametrize("rows", [1, 4, 700])
 def test_the_cpu_op_set_matches_the_torch_set(rows):
-    from runtime.layers import FUSED_OPS
+    from runtime.models.layers import FUSED_OPS
 
     ops, reference = FUSED_OPS["ringllm_cpu"](), FUSED_OPS["torch"]()
     generator = torch.Generator().manual_seed(rows)

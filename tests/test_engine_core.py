@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.attention import AttentionMeta
+from runtime.engine.batch import AttentionMeta
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -192,7 +192,7 @@ def test_a_request_that_outgrows_the_whole_pool_ends_with_length(tiny_model):
 
 
 def test_filters_apply_in_order_top_k_then_top_p_then_min_p():
-    from runtime.sampling import _filtered_log_probs
+    from runtime.engine.sampling import _filtered_log_probs
 
     def kept(probs: list[float], **params) -> list[int]:
         logits = torch.tensor([probs]).log()
@@ -212,7 +212,7 @@ def test_any_integer_seed_samples(tiny_model):
 
 
 def test_decode_graphs_pad_only_to_a_clearly_faster_graph_at_most_twice_as_large():
-    from runtime.cuda_graph import padding_choice
+    from runtime.engine.cuda_graph import padding_choice
 
     replay_ms = {1: 1.0, 2: 0.99, 4: 0.98, 8: 0.5, 16: 0.6, 32: 0.9, 48: 1.0, 64: 1.1, 256: 0.2}
     choice = padding_choice(replay_ms)
@@ -224,7 +224,7 @@ def test_decode_graphs_pad_only_to_a_clearly_faster_graph_at_most_twice_as_large
 
 @pytest.mark.parametrize("tokens, seqs", [(128, 3), (128, 8), (1024, 4), (3, 3)])
 def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(tokens, seqs):
-    from runtime.cuda_graph import pad_meta
+    from runtime.engine.cuda_graph import pad_meta
 
     page_size, scratch = 16, 99
     real = AttentionMeta(np.array([0, 1, 2], np.int32), np.array([0, 3, 4], np.int32), np.array([5, 6, 7, 8], np.int32),
@@ -248,7 +248,7 @@ def test_sizes_that_could_never_run_are_refused(field, value, tiny_model):
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model("llama"), **{field: value})
     flag = "--" + field.replace("_", "-")
-    done = subprocess.run([sys.executable, "-m", "runtime.cli", "serve", flag, str(value), "--port", "1"],
+    done = subprocess.run([sys.executable, "-m", "actors.cli", "serve", flag, str(value), "--port", "1"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and f"error: {field}" in done.stderr, done.stderr[-2000:]
 
@@ -277,11 +277,11 @@ def test_temperatures_too_small_for_float32_draw_greedily(tiny_model):
 def test_a_plan_carries_a_bounded_history_however_many_slots_it_could_open(monkeypatch):
     """Each slot a plan opens carries its whole history to the engine: a step that admitted hundreds
     of long prompts (their prefixes cached) would outgrow the ring to the engine."""
-    import runtime.scheduler
+    import runtime.scheduler.scheduler
     from runtime.config import EngineConfig
-    from runtime.scheduler import Scheduler
+    from runtime.scheduler.scheduler import Scheduler
 
-    monkeypatch.setattr(runtime.scheduler, "MAX_PLAN_HISTORY_TOKENS", 250)
+    monkeypatch.setattr(runtime.scheduler.scheduler, "MAX_PLAN_HISTORY_TOKENS", 250)
     scheduler = Scheduler(EngineConfig(page_size=16, max_prefill_tokens=8192), num_pages=1024, eos_token_ids=(), max_position=4096)
     for rid, prompt in enumerate(random_prompts(12, range(100, 101), seed=3)):
         scheduler.add(rid, prompt, SamplingParams(max_tokens=2, temperature=0))

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from runtime.fast_encode import MAX_CHARS, SAMPLE, fast_encoder, nfc_between
+from runtime.text.fast_encode import MAX_CHARS, SAMPLE, fast_encoder, nfc_between
 
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -97,7 +97,7 @@ def test_merge_order_that_tiktoken_cannot_follow_keeps_transformers(qwen_dir: Pa
 
 def test_gpt2_style_tokenizer_keeps_transformers() -> None:
     """SmolLM2's vocabulary was trained by Hugging Face (no ignore_merges): encoding stays with it."""
-    from runtime.model_source import load_tokenizer, resolve_model_dir
+    from runtime.models.source import load_tokenizer, resolve_model_dir
 
     model_dir = resolve_model_dir(None)
     assert fast_encoder(load_tokenizer(model_dir, required=True)) is None

@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.attention import ATTENTION_BACKENDS, AttentionMeta, ForwardBatch, KVPool, kv_rows
+from runtime.attention import ATTENTION_BACKENDS
+from runtime.attention.pool import KVPool
+from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
 from tests.tiny_models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -111,7 +113,7 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
         if max_tokens:
             graphs = llm.engine.prefill_graphs
             replay = graphs.replay
-            graphs.replay = lambda shape, batch: (shapes.append(shape), replay(shape, batch))[1]
+            graphs.replay = lambda shape, batch, replay=replay: (shapes.append(shape), replay(shape, batch))[1]
         runs[name] = [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
     assert any(seqs == 8 for _, seqs in shapes) and len(shapes) >= 5, shapes
     assert_same_greedy_tokens(runs["eager"], runs["graphs"], "prefill graphs")
@@ -136,7 +138,7 @@ def test_seeded_sampling_is_batch_invariant_on_cuda(tmp_path):
 def test_triton_draw_equals_its_torch_twin(rows, dtype):
     """The kernel reads the logits in the model's dtype; the twin widens them first. Each draw, noisy or
     greedy, twice: the second finds the row counts the first reset."""
-    from runtime.sampling import _torch_gumbel_argmax, gumbel_argmax, row_keys
+    from runtime.engine.sampling import _torch_gumbel_argmax, gumbel_argmax, row_keys
 
     generator = torch.Generator().manual_seed(5)
     logits = (torch.randn(rows, 151_936, generator=generator) * 3).to("cuda", dtype)
@@ -150,7 +152,7 @@ def test_triton_draw_equals_its_torch_twin(rows, dtype):
 def test_triton_draw_feeds_tokens_back_to_their_slots_and_to_pinned_host_memory():
     """The kernel's own stores: last_tokens at each row's slot on the device, and the pinned host copy,
     which it writes over the bus with no copy on the stream."""
-    from runtime.sampling import Feedback, gumbel_argmax
+    from runtime.engine.sampling import Feedback, gumbel_argmax
 
     logits = torch.randn(5, 151_936, generator=torch.Generator().manual_seed(2)).to("cuda", torch.bfloat16)
     last_tokens = torch.full((16,), -1, dtype=torch.int64, device="cuda")
@@ -165,7 +167,7 @@ def test_triton_draw_feeds_tokens_back_to_their_slots_and_to_pinned_host_memory(
 
 def test_host_copy_kernel_sends_pinned_tensors_whole():
     """Two copies of other sizes and dtypes in one launch; the device bytes after each end stay as they were."""
-    from runtime.host_copy_kernel import send
+    from runtime.kernels.triton.host_copy import send
 
     sources = [torch.arange(3 * 1100, dtype=torch.int64).view(3, 1100).pin_memory(), torch.arange(7, dtype=torch.int32).pin_memory()]
     targets = [torch.full((3 * 1100 + 8,), -1, dtype=torch.int64, device="cuda"), torch.full((9,), -1, dtype=torch.int32, device="cuda")]
@@ -182,7 +184,7 @@ def test_host_copy_kernel_sends_pinned_tensors_whole():
 @pytest.mark.parametrize("name", ["sgl_kernel", "flashinfer"])
 def test_fused_ops_match_torch(name):
     from runtime.config import RopeConfig
-    from runtime.layers import FUSED_OPS, rope_cos_sin_cache
+    from runtime.models.layers import FUSED_OPS, rope_cos_sin_cache
 
     try:
         ops = FUSED_OPS[name]()
@@ -223,8 +225,8 @@ def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, no
     index_put: q rotated in place, K and V at rows given as [T, 2] (eager steps) or as a transposed
     view of a [2, T] buffer (decode graphs), and every other pool row untouched."""
     from runtime.config import RopeConfig
-    from runtime.layers import FUSED_OPS, rope_cos_sin_cache
-    from runtime.rope_kv_kernel import rope_kv_write
+    from runtime.kernels.triton.rope_kv import rope_kv_write
+    from runtime.models.layers import FUSED_OPS, rope_cos_sin_cache
 
     reference = FUSED_OPS["torch"]()
     generator = torch.Generator().manual_seed(6)
@@ -323,7 +325,13 @@ def test_few_row_linears_match_cublas():
     then the timed swap keeps a model's outputs and takes a kernel only within its row limit."""
     from torch import nn
 
-    from runtime.few_row_gemm import FewRowLinear, _candidates, _gemv_kernels, load_tinygemm, use_few_row_gemms
+    from runtime.engine.gemm_tuner import (
+        FewRowLinear,
+        _candidates,
+        _gemv_kernels,
+        load_tinygemm,
+        use_few_row_gemms,
+    )
 
     cuda = torch.device("cuda")
     tinygemm, gemv_kernel = load_tinygemm(cuda, torch.bfloat16), _gemv_kernels(cuda, torch.bfloat16)
@@ -361,11 +369,11 @@ def test_few_row_linears_match_cublas():
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("n, k", [(4096, 1024), (1024, 3072), (96, 64), (6, 512)])
 def test_one_row_gemv_matches_torch(n, k, bias):
-    """Each prologue of runtime.gemv_kernel against the torch ops it replaces, in bf16: plain, RMSNorm,
+    """Each prologue of runtime.kernels.triton.gemv against the torch ops it replaces, in bf16: plain, RMSNorm,
     residual add + RMSNorm (and the new residual it writes), SiLU-and-mul; and the epilogue's add."""
     import torch.nn.functional as F
 
-    from runtime import gemv_kernel as g
+    from runtime.kernels.triton import gemv as g
 
     generator = torch.Generator().manual_seed(n + k)
     rand = lambda *shape: torch.randn(*shape, generator=generator).to("cuda", torch.bfloat16)  # noqa: E731
@@ -397,7 +405,7 @@ def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatc
     the summed stream against those choices; here the GEMV and every fusion are forced, with or without
     the summed stream, and one request at a time (batch-1 decode graphs) must give the torch
     reference's greedy tokens."""
-    from runtime import few_row_gemm
+    from runtime.engine import gemm_tuner as few_row_gemm
 
     model_dir = build("qwen3", tmp_path, head_dim=128)
     generator = torch.Generator().manual_seed(3)
@@ -425,7 +433,9 @@ def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkey
     chains Triton kernels launched with PDL, each started before the one ahead of it ends. A kernel
     that touched another's data before its wait would race: 64 tokens of three requests, alone, must
     come out bit for bit as without PDL."""
-    from runtime import cuda_graph, few_row_gemm, pdl
+    from runtime.engine import cuda_graph
+    from runtime.engine import gemm_tuner as few_row_gemm
+    from runtime.kernels.triton import pdl
 
     if not pdl.enabled(torch.cuda.current_device()):
         pytest.skip("PDL needs compute capability 9 or later")
@@ -454,7 +464,7 @@ def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkey
 def test_triton_decode_attention_matches_torch(shapes, kv_heads):
     """Sequences of 1 to 2,000 tokens on scattered pages, query heads read from a strided qkv view, into
     an output poisoned with NaN: every row must be written."""
-    from runtime.decode_attention_kernel import decode_attention
+    from runtime.kernels.triton.decode_attention import decode_attention
 
     generator = torch.Generator().manual_seed(kv_heads)
     batch = paged_batch(shapes, generator)
@@ -476,13 +486,13 @@ def test_triton_decode_attention_matches_torch(shapes, kv_heads):
 @pytest.mark.parametrize("heads, kv_heads, norms", [(16, 8, True), (32, 8, True), (32, 8, False)])
 def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
     """Given the raw qkv rows, the split-KV kernel norms and rotates q and writes each sequence's new K
-    and V itself: the same output and pool as runtime.rope_kv_kernel's pass and then the plain kernel,
+    and V itself: the same output and pool as runtime.kernels.triton.rope_kv's pass and then the plain kernel,
     and the qkv rows left as they were."""
-    from runtime.attention import Rope
     from runtime.config import RopeConfig
-    from runtime.decode_attention_kernel import decode_attention
-    from runtime.layers import rope_cos_sin_cache
-    from runtime.rope_kv_kernel import rope_kv_write
+    from runtime.kernels.rope import Rope
+    from runtime.kernels.triton.decode_attention import decode_attention
+    from runtime.kernels.triton.rope_kv import rope_kv_write
+    from runtime.models.layers import rope_cos_sin_cache
 
     generator = torch.Generator().manual_seed(heads + kv_heads + norms)
     batch = paged_batch([(1, 2000), (1, 50), (1, 1), (1, 17), (1, 300)], generator)
@@ -514,7 +524,7 @@ def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
 def test_decode_graphs_on_triton_attention_give_the_tokens_of_torch_attention(tmp_path, monkeypatch):
     """Start-up times both attention kernels at every graph size up to 16 and keeps the faster; here
     the split-KV kernel is forced at all of them, and greedy tokens must be the torch reference's."""
-    from runtime import cuda_graph
+    from runtime.engine import cuda_graph
 
     model_dir = build("qwen3", tmp_path, head_dim=128)
     reference = greedy_run(model_dir, attention_backend="torch")

@@ -21,7 +21,7 @@ import aiohttp
 import psutil
 import pytest
 
-from runtime.model_source import load_tokenizer
+from runtime.models.source import load_tokenizer
 from tests.conftest import ringllm
 
 COMPLETIONS = "/v1/completions"

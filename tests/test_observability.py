@@ -16,7 +16,7 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import parse_args, run_benchmark
-from runtime.metrics import TTFT_BUCKETS
+from runtime.obs.metrics import TTFT_BUCKETS
 from tests.conftest import ROOT, ringllm, wait_for
 
 PIPELINE_ORDER = [("api", "received"), ("tokenizer", "tokenized"), ("scheduler", "queued"), ("scheduler", "scheduled"),
@@ -119,7 +119,7 @@ def test_metrics_agree_with_the_load_harness(smol_server):
 
 def test_json_log_lines_take_fields_with_integer_keys():
     """engine_ready logs padded_to as {rows: graph rows}: orjson refuses int keys unless told."""
-    code = "from runtime.logs import configure_logging; import structlog; configure_logging('probe'); " \
+    code = "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); " \
            "structlog.get_logger().info('hello', padded_to={1: 8})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
@@ -128,7 +128,7 @@ def test_json_log_lines_take_fields_with_integer_keys():
 
 def test_json_log_lines_carry_the_traceback_of_log_exception():
     """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true."""
-    code = ("from runtime.logs import configure_logging; import structlog; configure_logging('probe')\n"
+    code = ("from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe')\n"
             "try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
@@ -137,7 +137,7 @@ def test_json_log_lines_carry_the_traceback_of_log_exception():
 
 
 def test_console_log_format():
-    code = "from runtime.logs import configure_logging; import structlog; configure_logging('probe'); " \
+    code = "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); " \
            "structlog.get_logger().info('hello', rid='r1')"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RINGLLM_LOG_FORMAT": "console"}).stderr
@@ -154,7 +154,7 @@ def test_every_actor_freezes_its_start_up_heap(smol_server):
 
 
 def test_long_collections_are_logged():
-    code = ("import gc; from runtime.logs import configure_logging; from runtime.gc_pauses import log_long_pauses; "
+    code = ("import gc; from runtime.obs.logs import configure_logging; from runtime.obs.gc_pauses import log_long_pauses; "
             "configure_logging('probe'); log_long_pauses(0.0); gc.collect()")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
                          env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})

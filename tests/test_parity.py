@@ -116,8 +116,8 @@ def test_smollm2_parity(smollm2, page_size, mixed_chunk):
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3"])  # biases and a tied lm_head; q/k norms
 def test_parity_on_torch_ops_alone(tiny_model, arch, monkeypatch):
-    """The path of machines where ringllm's CPU kernels do not build (runtime.cpu_kernels)."""
-    from runtime import cpu_kernels
+    """The path of machines where ringllm's CPU kernels do not build (runtime.kernels.cpu.build)."""
+    from runtime.kernels.cpu import build as cpu_kernels
 
     monkeypatch.setenv("RINGLLM_CPU_KERNELS", "0")
     cpu_kernels.available.cache_clear()

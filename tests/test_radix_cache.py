@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from runtime.pages import PageAllocator
-from runtime.radix_cache import RadixCache
+from runtime.scheduler.pages import PageAllocator
+from runtime.scheduler.radix_cache import RadixCache
 
 PAGE = 2
 

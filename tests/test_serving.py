@@ -217,7 +217,7 @@ def test_ringllm_chat_streams_keeps_history_and_resets(smol_server):
     from tests.conftest import ROOT
 
     session = "What is the capital of France?\nAnd of Italy?\n/reset\nWhat is the capital of Germany?\n"
-    result = subprocess.run([sys.executable, "-m", "runtime.cli", "chat", "--url", smol_server.base_url, "--temperature", "0"],
+    result = subprocess.run([sys.executable, "-m", "actors.cli", "chat", "--url", smol_server.base_url, "--temperature", "0"],
                             input=session, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert result.returncode == 0, result.stderr
     out = result.stdout

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models
 
 from actors.detokenizer import DetokenizerActor
-from runtime.stop_matcher import StopMatcher
+from actors.frames import Announce, Detok, TokenItem
+from runtime.text.stop_matcher import StopMatcher
 
 STOPS = st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=5)
 
@@ -67,13 +68,11 @@ def run(detok: DetokenizerActor, stops: list[str], chunks: list[list[int]], fini
     """Push `chunks` of token ids through `_apply`, the last with `finish`: the text, finish and abort flag."""
     text, final, abort = "", None, False
     for i, new in enumerate(chunks):
-        item = {"rid": 1, "n": len(new), "finish": finish if i == len(chunks) - 1 else None}
-        if i == 0:
-            item |= {"prompt_tokens": 3, "cached_tokens": 0,
-                     "detok": {"stop": stops, "skip_special_tokens": True, "top_logprobs": 0, "generated": list(generated)}}
-        if (delta := detok._apply(item, new)) is not None:
-            text += delta["text"]
-            final, abort = delta["finish"] or final, abort or delta.get("abort", False)
+        announce = Announce(Detok(stops, True, 0), list(generated), 3, 0) if i == 0 else None
+        item = TokenItem(1, finish if i == len(chunks) - 1 else None, new, announce=announce)
+        if (delta := detok._apply(item)) is not None:
+            text += delta.text
+            final, abort = delta.finish or final, abort or delta.abort
     return text, final, abort
 
 
@@ -155,7 +154,7 @@ def test_long_near_miss_stop_strings_cost_about_what_one_short_one_does() -> Non
 
 def test_smollm2_tokenizer(smollm2: Path) -> None:
     """The real tokenizer's incremental decoding, multi-byte characters included, cut by a stop string."""
-    from runtime.model_source import load_tokenizer
+    from runtime.models.source import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2, required=True)
     sentence = "Le café naïve — 日本語のテキスト, then a stop here and more text after it."

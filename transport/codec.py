@@ -1,8 +1,8 @@
 """Frame payloads of the pipeline: a small orjson header, then int32 arrays in place.
 
-Layout: u32 header length, the header, zero padding to 4 bytes, then each array's int32 values
-back to back; the header's "_lens" gives their lengths. The reader's arrays are views of the
-ring (no copy): copy what must outlive the next receive.
+Layout: u32 header length, the header (the JSON of [meta, array lengths]), zero padding to 4
+bytes, then each array's int32 values back to back. The reader's arrays are views of the ring (no
+copy): copy what must outlive the next receive.
 """
 
 from __future__ import annotations
@@ -20,14 +20,15 @@ _LEN = struct.Struct("<I")
 IntArray = Sequence[int] | np.ndarray
 
 
-def _head_span(header: bytes) -> int:
-    return (_LEN.size + len(header) + 3) & ~3
+def _head_span(length: int) -> int:
+    return (_LEN.size + length + 3) & ~3
 
 
-async def send(writer: RingWriter, kind: int, rid: int, meta: dict[str, Any], arrays: Sequence[IntArray] = (), epoch: int = 0) -> None:
+async def send(writer: RingWriter, kind: int, rid: int, meta: Any, arrays: Sequence[IntArray] = (), epoch: int = 0) -> None:
+    """`meta`: anything orjson writes (dataclasses included)."""
     ints = [np.asarray(a, dtype="<i4") for a in arrays]
-    header = orjson.dumps({**meta, "_lens": [len(a) for a in ints]} if ints else meta)
-    head = _head_span(header)
+    header = orjson.dumps([meta, [len(a) for a in ints]])
+    head = _head_span(len(header))
     view = await writer.reserve_async(head + 4 * sum(len(a) for a in ints))
     _LEN.pack_into(view, 0, len(header))
     view[_LEN.size : _LEN.size + len(header)] = header
@@ -38,12 +39,12 @@ async def send(writer: RingWriter, kind: int, rid: int, meta: dict[str, Any], ar
     writer.commit(kind, rid, epoch)
 
 
-def unpack(frame: Frame) -> tuple[dict[str, Any], list[np.ndarray]]:
+def unpack(frame: Frame) -> tuple[Any, list[np.ndarray]]:
     payload = frame.payload
     (length,) = _LEN.unpack_from(payload)
-    meta = orjson.loads(payload[_LEN.size : _LEN.size + length])
-    arrays, offset = [], _head_span(payload[_LEN.size : _LEN.size + length])
-    for n in meta.pop("_lens", ()):
+    meta, lens = orjson.loads(payload[_LEN.size : _LEN.size + length])
+    arrays, offset = [], _head_span(length)
+    for n in lens:
         arrays.append(np.frombuffer(payload, dtype="<i4", count=n, offset=offset))
         offset += 4 * n
     return meta, arrays

@@ -19,9 +19,7 @@ from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import DupFd
 
 FIRST_NAP_S = 0.001
-SPIN_US = 50  # on a 16-core H200 host, waiters that spun 200 us slowed the engine actor's host work (its launch
-# took 0.55-0.69 ms a step, 0.33 in process) and one Qwen3-0.6B request decoded at 922-1,110 tok/s through the
-# pipeline; at 50 us, 1,112 three times (benchmarks/results/h200-probe-session14.log)
+SPIN_US = 50  # longer spins steal more from the busy actors on the host than they save
 
 
 def spin_budget_ns(cores: int | None = None) -> int:

@@ -1,11 +1,5 @@
-"""The dense decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias) and Qwen3
-(q/k norm).
-
-q, k and v share one projection and gate and up another, so a layer runs two GEMMs where the
-checkpoint has five matrices; `STACKED` tells the loader where each checkpoint matrix goes. The
-residual stream runs through fused add-and-norm kernels; in one-row steps on CUDA a norm and the
-projection after it may run as one kernel (OneRowFusion).
-"""
+"""The dense decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+q, k and v share one projection, gate and up another (`STACKED` maps the checkpoint's matrices)."""
 
 from __future__ import annotations
 
@@ -16,9 +10,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from runtime.attention import AttentionBackend, ForwardBatch, Rope
+from runtime.attention.backend import AttentionBackend
 from runtime.config import ModelConfig
-from runtime.layers import FusedOps, RMSNorm, rope_cos_sin_cache
+from runtime.engine.batch import ForwardBatch
+from runtime.kernels.rope import Rope
+from runtime.models.layers import FusedOps, RMSNorm, rope_cos_sin_cache
 
 # checkpoint name part -> (our parameter name part, shard index)
 STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
@@ -39,8 +35,7 @@ class Attention(nn.Module):
         self.qk_norm, self.ops, self.eps = cfg.qk_norm, ops, cfg.rms_norm_eps
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """[T, heads · dim] from the step's qkv rows, before o_proj. rope: (positions, the op set's rope
-        tables). The step's K and V reach the pool before attention."""
+        """[T, heads · dim] before o_proj; the new K and V reach the pool first. rope: (positions, tables)."""
         positions, rope_tables = rope
         tokens = qkv.shape[0]
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
@@ -48,7 +43,7 @@ class Attention(nn.Module):
         if self.ops.rope_kv_write is not None and backend.rotates:  # decode attention does the rope pass's work itself
             return backend.forward(self.layer, qkv.view(tokens, -1, self.head_dim), batch,
                                    Rope(rope_tables, *norms, self.eps)).reshape(tokens, self.q_size)
-        if self.ops.rope_kv_write is not None:  # q in place, K and V straight to the pool
+        if self.ops.rope_kv_write is not None:
             self.ops.rope_kv_write(qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer),
                                    batch.kv_rows, self.heads, self.kv_heads)
         else:
@@ -73,17 +68,13 @@ NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], t
 
 @dataclass(frozen=True)
 class OneRowFusion:
-    """Kernels that run a norm with the projection after it, or SiLU-and-mul with down_proj, as one,
-    in one-row steps; runtime.few_row_gemm sets those that ran faster than the pair.
+    """One-row kernels fusing a norm or SiLU-and-mul into the projection after it (gemm_tuner sets the winners).
+    With `o_proj` set, o_proj and down_proj add the residual themselves and the layer hands on the sum."""
 
-    With `o_proj` set the layer carries the residual stream already summed: o_proj and down_proj add
-    it in their epilogues, the norms before qkv and gate_up have no add left and run inside those
-    projections, and no norm kernel remains (all four are then set)."""
-
-    qkv: NormLinear | None = None  # (h, residual, input_layernorm, qkv_proj) -> (qkv, new residual)
+    qkv: NormLinear | None = None
     gate_up: NormLinear | None = None
-    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None  # (gate_up, down_proj, add)
-    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None  # (attended, o_proj, add)
+    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None
+    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
 
 
 NO_FUSION = OneRowFusion()
@@ -109,15 +100,13 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
                 backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """h: the previous layer's output, not yet added to `residual` (None before layer 0, and where
-        h is the summed stream)."""
+        """h: the previous layer's output, not yet added to `residual` (None where there is none)."""
         fused = self.one_row if h.shape[0] == 1 else NO_FUSION
         return self.forward_with(h, residual, lambda qkv: self.self_attn.attend(qkv, rope, batch, backend), fused)
 
     def forward_with(self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor],
                      fused: OneRowFusion) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward, with attention as `attend` (qkv -> attended rows) and the given fusion: start-up times
-        the layer's projections and norms this way, attention left out."""
+        """forward, with attention as `attend` (qkv -> attended rows): how start-up times a fusion."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
         attended = attend(qkv)
@@ -153,13 +142,11 @@ class DenseForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_rope_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        """After weights are placed: a plain tensor, built outside meta construction."""
         cfg = self.config
         cache = rope_cos_sin_cache(cfg.max_position, cfg.head_dim, cfg.rope)
         self.rope_cache = cache.to(device=device, dtype=torch.float32 if self.rope_cache_fp32 else dtype)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
-        """Final-norm hidden states, [T, hidden]."""
         h, residual = self.model.embed_tokens(batch.input_ids), None
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
         for layer in self.model.layers:

@@ -1,0 +1,201 @@
+"""The `ringllm` command line: serve, status, chat, trace and bench."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+
+import orjson
+
+from actors.control import STATUS_KEYS, ControlBlock, pid_alive
+from actors.pipeline import ServeConfig, pipeline
+from actors.supervisor import Supervisor, SupervisorConfig
+from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, EngineConfig, device_defaults
+from runtime.obs import trace
+from runtime.obs.logs import LOG_FORMATS
+
+
+def status(port: int, as_json: bool) -> int:
+    """Read the supervisor's control block of the server on `port` and list its actors."""
+    try:
+        control = ControlBlock.attach(str(port))
+    except FileNotFoundError:
+        print(f"no ringllm server on port {port}", file=sys.stderr)
+        return 1
+    try:
+        if not pid_alive(control.supervisor_pid):
+            print(f"the supervisor of port {port} (pid {control.supervisor_pid}) is gone; "
+                  "its segments are swept by the next server on that port", file=sys.stderr)
+            return 1
+        rows = control.status()
+    finally:
+        control.close()
+    if as_json:
+        print(orjson.dumps(rows).decode())
+        return 0
+    table = [STATUS_KEYS] + [tuple("-" if row[k] is None else str(row[k]) for k in STATUS_KEYS) for row in rows]
+    widths = [max(len(line[i]) for line in table) for i in range(len(STATUS_KEYS))]
+    for line in table:
+        print("  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip())
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from runtime.models.source import NAME, resolve_model_dir
+    from runtime.obs.logs import configure_logging
+
+    os.environ["RINGLLM_LOG_FORMAT"] = args.log_format  # every actor inherits it
+    configure_logging("supervisor")
+    try:
+        if args.api_workers < 1:
+            raise ValueError(f"api_workers must be at least 1, not {args.api_workers}")
+        if not args.body_timeout > 0:
+            raise ValueError(f"body_timeout must be more than 0 seconds, not {args.body_timeout}")
+        engine = EngineConfig(
+            page_size=args.page_size, num_pages=args.num_pages,
+            max_prefill_tokens=args.max_prefill_tokens,
+            max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
+            mixed_chunk=args.enable_mixed_chunk, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+            attention_backend=args.attention_backend,
+            mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens, steps_in_flight=args.steps_in_flight,
+        )
+    except ValueError as exc:  # before any process starts
+        print(f"ringllm serve: error: {exc}", file=sys.stderr)
+        return 2
+    model_dir = resolve_model_dir(args.model)
+    config = ServeConfig(
+        model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
+        host=args.host, port=args.port, api_workers=args.api_workers, engine=engine,
+        max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+        watchdog_timeout=args.watchdog_timeout,
+    )
+    supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
+    return Supervisor(pipeline(config), supervisor).run()
+
+
+async def _chat(base_url: str, temperature: float | None) -> int:
+    import aiohttp
+
+    history: list[dict] = []
+    async with aiohttp.ClientSession(base_url) as http:
+        async with http.get("/v1/models") as reply:
+            model = (await reply.json())["data"][0]["id"]
+        print(f"chatting with {model} at {base_url}; /reset clears the history, Ctrl-D leaves")
+        while True:
+            try:
+                line = input("> ").strip()
+            except EOFError:
+                print()
+                return 0
+            if line == "/reset":
+                history.clear()
+                print("(history cleared)")
+                continue
+            if not line:
+                continue
+            history.append({"role": "user", "content": line})
+            answer = []
+            body = {"model": model, "messages": history, "stream": True}
+            if temperature is not None:
+                body["temperature"] = temperature
+            async with http.post("/v1/chat/completions", json=body) as reply:
+                if reply.status != 200:
+                    print(f"error {reply.status}: {(await reply.json())['error']['message']}")
+                    history.pop()
+                    continue
+                async for raw in reply.content:
+                    data = raw.decode().removeprefix("data: ").strip()
+                    if not data or data == "[DONE]":
+                        continue
+                    for choice in orjson.loads(data).get("choices", []):
+                        piece = choice["delta"].get("content") or ""
+                        answer.append(piece)
+                        print(piece, end="", flush=True)
+            print()
+            history.append({"role": "assistant", "content": "".join(answer)})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="ringllm", description="ringllm: an LLM serving engine on shared-memory rings")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    s = commands.add_parser("serve", help="serve a model with an OpenAI-compatible API")
+    s.add_argument("--model", help="a local Hugging Face folder or a hub id (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-workers", type=int, default=1, help="HTTP worker processes sharing the port")
+    engine, cuda, cpu = EngineConfig, device_defaults("cuda"), device_defaults("cpu")
+    by_device = lambda name: f"default: {cuda[name]} on CUDA, {cpu[name]} on CPU"  # noqa: E731
+    s.add_argument("--page-size", type=int, default=engine.page_size)
+    s.add_argument("--num-pages", type=int, help="KV pool size in pages (default: what --mem-fraction leaves on CUDA, "
+                                                   f"{DEFAULT_KV_TOKENS} tokens on CPU)")
+    s.add_argument("--max-running-requests", type=int, default=engine.max_running_requests)
+    s.add_argument("--max-prefill-tokens", type=int, help=f"the prefill chunk budget of one step ({by_device('max_prefill_tokens')})")
+    s.add_argument("--disable-prefix-cache", action="store_true")
+    s.add_argument("--enable-mixed-chunk", action="store_true",
+                   help="run decodes inside steps with prefill chunks (default: prefill first, as SGLang does)")
+    s.add_argument("--dtype", default=engine.dtype, help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on "
+                                                         "CPUs with AMX bf16 tiles, else float32)")
+    s.add_argument("--device", default=engine.device)
+    s.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help=by_device("attention_backend"))
+    s.add_argument("--mem-fraction", type=float, default=engine.mem_fraction,
+                   help="CUDA: share of device memory for weights and KV cache")
+    s.add_argument("--cuda-graph-max-bs", type=int, default=engine.cuda_graph_max_bs,
+                   help="CUDA: largest decode batch replayed as a graph; 0: off")
+    s.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=engine.cuda_graph_max_prefill_tokens,
+                   help="CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off")
+    s.add_argument("--steps-in-flight", type=int, help=f"steps planned ahead of their results ({by_device('steps_in_flight')}; "
+                                                       "1: no overlap)")
+    s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
+    s.add_argument("--max-queued-requests", type=int, default=ServeConfig.max_queued_requests,
+                   help="beyond running + queued, new requests get a 503")
+    s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")
+    s.add_argument("--body-timeout", type=float, default=ServeConfig.body_timeout,
+                   help="seconds a client may take to send a request's body; a body still incomplete then gets a 408 "
+                        "and its connection is closed (default: %(default)s)")
+    s.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s,
+                   help="seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog")
+    s.add_argument("--watchdog-timeout", type=float, default=ServeConfig.watchdog_timeout,
+                   help="seconds an engine step may make no progress before the engine is restarted: the watchdog "
+                        "can only restart it sooner than --hang-timeout, never later")
+    s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s,
+                   help="on SIGTERM, seconds in-flight requests may take")
+    s.add_argument("--log-format", choices=LOG_FORMATS, default="json",
+                   help="json: one object per line (what `ringllm trace` reads); console: aligned text")
+
+    st = commands.add_parser("status", help="list the actors of a running server")
+    st.add_argument("--port", type=int, default=8000)
+    st.add_argument("--json", action="store_true", help=f"a JSON list of objects with keys {', '.join(STATUS_KEYS)}")
+
+    trace.add_arguments(commands.add_parser("trace", help="one request's timeline across actors, from a server's JSON logs"))
+
+    c = commands.add_parser("chat", help="chat with a running server in the terminal")
+    c.add_argument("--url", default="http://127.0.0.1:8000")
+    c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
+
+    b = commands.add_parser("bench", help="benchmarks: offline throughput, or a load test of a running server "
+                                          "(see `ringllm bench offline --help`, `ringllm bench serve --help`)")
+    b.add_argument("workload", choices=["offline", "serve"])
+    b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+    args = parser.parse_args(argv)
+    if args.command == "bench":
+        import importlib
+
+        importlib.import_module(f"benchmarks.{args.workload}").main(args.options)
+        return 0
+    if args.command == "serve":
+        return serve(args)
+    if args.command == "trace":
+        return trace.run(args)
+    if args.command == "chat":
+        return asyncio.run(_chat(args.url, args.temperature))
+    return status(args.port, args.json)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

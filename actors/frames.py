@@ -1,0 +1,258 @@
+"""Typed frame payloads: one frozen dataclass per Kind, on transport.codec's header + int32 arrays.
+
+`to_wire()` gives (header, arrays); `decode(frame)` rebuilds the payload as Python objects, copied
+out of the ring (its memory goes back to the writer at the next receive). Token ids travel as int32
+arrays. Frames sent once per request carry a dict header; TOKENS and DELTAS, one item per running
+request each step, carry positional lists, with no per-item keys, and their items are plain slotted
+dataclasses (a frozen one takes 3x as long to build).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from actors.kinds import Kind
+from runtime.step import Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
+from transport import codec
+from transport.ring import Frame
+
+Wire = tuple[Any, list]  # a codec header and its int32 arrays
+
+
+class Payload:
+    """A frame's payload. The default wire form is the dataclass's fields as a JSON object (orjson
+    writes dataclasses), which suits payloads without token ids."""
+
+    __slots__ = ()
+    KIND: ClassVar[Kind]
+
+    def to_wire(self) -> Wire:
+        return self, []
+
+    @classmethod
+    def from_wire(cls, meta: Any, arrays: list) -> Any:
+        return cls(**meta)
+
+
+@dataclass(frozen=True, slots=True)
+class Detok:
+    """What the detokenizer needs of a request: set by the api worker, announced with its first tokens."""
+
+    stop: list[str]
+    skip_special_tokens: bool
+    top_logprobs: int
+
+
+@dataclass(frozen=True)
+class Submit(Payload):
+    """A request as its client sent it; a replay also carries the tokens its client has seen."""
+
+    KIND = Kind.SUBMIT
+    params: dict[str, Any]  # SamplingParams' fields; max_tokens may be None (the tokenizer fills it in)
+    detok: Detok
+    trace: str
+    messages: list[dict] | None
+    prompt: str | None
+    ids: list[int] | None = None  # token ids the client sent instead of text
+    generated: list[int] = field(default_factory=list)
+
+    def to_wire(self) -> Wire:
+        meta = {"params": self.params, "detok": self.detok, "trace": self.trace, "messages": self.messages, "prompt": self.prompt}
+        return meta, [self.ids or [], self.generated]
+
+    @classmethod
+    def from_wire(cls, meta: dict, arrays: list) -> Submit:
+        ids, generated = (a.tolist() for a in arrays)
+        return cls(**{**meta, "detok": Detok(**meta["detok"])}, ids=ids or None, generated=generated)
+
+
+@dataclass(frozen=True)
+class Tokenized(Payload):
+    """REQUEST: a request the tokenizer accepted; its prompt's text stays behind."""
+
+    KIND = Kind.REQUEST
+    params: dict[str, Any]  # SamplingParams' fields, max_tokens set
+    detok: Detok
+    trace: str
+    prompt_ids: list[int]
+    generated: list[int]  # a replay's tokens so far
+
+    def to_wire(self) -> Wire:
+        return {"params": self.params, "detok": self.detok, "trace": self.trace}, [self.prompt_ids, self.generated]
+
+    @classmethod
+    def from_wire(cls, meta: dict, arrays: list) -> Tokenized:
+        prompt_ids, generated = (a.tolist() for a in arrays)
+        return cls(meta["params"], Detok(**meta["detok"]), meta["trace"], prompt_ids, generated)
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal(Payload):
+    """ERROR: a request refused, answered to its client as an HTTP error."""
+
+    KIND = Kind.ERROR
+    message: str
+    status: int = 400
+    param: str | None = None
+
+
+@dataclass(frozen=True)
+class Step(Payload):
+    KIND = Kind.STEP
+    plan: StepPlan
+
+    def to_wire(self) -> Wire:
+        return plan_to_wire(self.plan)
+
+    @classmethod
+    def from_wire(cls, meta: dict, arrays: list) -> Step:
+        return cls(plan_from_wire(meta, arrays))
+
+
+@dataclass(frozen=True)
+class StepResults(Payload):
+    """SAMPLED: the token each slot that finished its input sampled in a step."""
+
+    KIND = Kind.SAMPLED
+    step: int
+    results: list[Sampled]
+
+    def to_wire(self) -> Wire:
+        return results_to_wire(self.step, self.results)
+
+    @classmethod
+    def from_wire(cls, meta: dict, arrays: list) -> StepResults:
+        return cls(meta["step"], results_from_wire(meta, arrays))
+
+
+@dataclass(slots=True)
+class Announce:
+    """What the detokenizer must know of a request, sent with its first tokens (again after a replay)."""
+
+    detok: Detok
+    generated: list[int]  # tokens a replay's client has seen already: the detokenizer's state is rebuilt from them
+    prompt_tokens: int
+    cached_tokens: int
+
+
+@dataclass(slots=True)
+class TokenItem:
+    """A request's part of a step."""
+
+    rid: int
+    finish: str | None
+    token_ids: list[int]  # the newest token, or none (aborted, or ended while being planned)
+    logprobs: list[tuple[int, float]] | None = None  # the newest token's top log-probabilities
+    announce: Announce | None = None
+
+
+@dataclass(frozen=True)
+class Tokens(Payload):
+    """One step's new tokens and finishes. Wire: [rid, finish, token count, logprobs, announce] an
+    item; arrays: the new tokens, then the announced histories."""
+
+    KIND = Kind.TOKENS
+    items: list[TokenItem]
+
+    def to_wire(self) -> Wire:
+        meta, tokens, history = [], [], []
+        for i in self.items:
+            tokens += i.token_ids
+            announce = None
+            if (a := i.announce) is not None:
+                history += a.generated
+                announce = [a.detok, len(a.generated), a.prompt_tokens, a.cached_tokens]
+            meta.append([i.rid, i.finish, len(i.token_ids), i.logprobs, announce])
+        return meta, [tokens, history]
+
+    @classmethod
+    def from_wire(cls, meta: list, arrays: list) -> Tokens:
+        tokens, history = (a.tolist() for a in arrays)
+        items, at, seen = [], 0, 0
+        for rid, finish, n, logprobs, announce in meta:
+            if announce is not None:
+                detok, count, prompt_tokens, cached_tokens = announce
+                announce = Announce(Detok(**detok), history[seen : seen + count], prompt_tokens, cached_tokens)
+                seen += count
+            if logprobs is not None:
+                logprobs = [(t, lp) for t, lp in logprobs]
+            items.append(TokenItem(rid, finish, tokens[at : at + n], logprobs, announce))
+            at += n
+        return cls(items)
+
+
+@dataclass(slots=True)
+class Delta:
+    """A request's newly released text, or its refusal."""
+
+    rid: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish: str | None = None
+    abort: bool = False  # a stop string ended it in the detokenizer: the scheduler must let go too
+    logprobs: list[dict] | None = None  # per token: token_id, token, logprob, top
+    usage: dict[str, int] | None = None  # with the finish: prompt_tokens, completion_tokens, cached_tokens
+    error: Refusal | None = None
+
+    def as_dict(self) -> dict:
+        """The form api.app reads from a request's inbox."""
+        if self.error is not None:
+            return {"rid": self.rid, "error": {"message": self.error.message, "status": self.error.status, "param": self.error.param}}
+        out = {"rid": self.rid, "text": self.text, "token_ids": self.token_ids, "finish": self.finish}
+        if self.logprobs is not None:
+            out["logprobs"] = self.logprobs
+        if self.usage is not None:
+            out["usage"] = self.usage
+        return out
+
+
+@dataclass(frozen=True)
+class Deltas(Payload):
+    """One step's deltas for one api worker. Wire: [rid, text, token count, finish, abort, logprobs,
+    usage, error] a delta; array: their token ids."""
+
+    KIND = Kind.DELTAS
+    deltas: list[Delta]
+
+    def to_wire(self) -> Wire:
+        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error] for d in self.deltas]
+        return meta, [[t for d in self.deltas for t in d.token_ids]]
+
+    @classmethod
+    def from_wire(cls, meta: list, arrays: list) -> Deltas:
+        tokens, deltas, at = arrays[0].tolist(), [], 0
+        for rid, text, n, finish, abort, logprobs, usage, error in meta:
+            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, error and Refusal(**error)))
+            at += n
+        return cls(deltas)
+
+
+@dataclass(frozen=True)
+class Abort(Payload):
+    """Drop a request: its client left, or a stop string ended it in the detokenizer."""
+
+    KIND = Kind.ABORT
+
+
+@dataclass(frozen=True)
+class Ping(Payload):
+    """A round trip through every actor, which keeps /health honest."""
+
+    KIND = Kind.PING
+
+
+@dataclass(frozen=True)
+class FlushCache(Payload):
+    KIND = Kind.FLUSH_CACHE
+    pages: int | None = None  # on the way back: the prefix-cache pages evicted
+
+
+PAYLOADS: dict[int, type[Payload]] = {
+    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache)
+}
+
+
+def decode(frame: Frame) -> Payload:
+    """The frame's payload as Python objects, safe to keep past the next receive."""
+    return PAYLOADS[frame.kind].from_wire(*codec.unpack(frame))

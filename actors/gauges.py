@@ -1,0 +1,33 @@
+"""The gauges' layouts: which of an actor's 8 gauge slots (actors.control.SLOT) holds what, one
+definition per actor kind. Other processes read them: the supervisor, api workers, the scheduler."""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+# any actor with a watchdog (ActorSpec.watchdog_s) stamps its progress here: a CLOCK_MONOTONIC time
+# while it has work, 0 when idle
+PROGRESS_GAUGE = 1
+
+
+class ApiGauge(IntEnum):
+    LIVE = 0  # live requests: summed across workers for admission, awaited on drain
+
+
+class TokenizerGauge(IntEnum):
+    TOKEN_BYTES = 0  # the longest token in bytes: api workers refuse longer prompts unencoded
+
+
+class EngineGauge(IntEnum):
+    POOL = 0  # the KV pool in pages: the scheduler's page table is sized from it
+    PROGRESS = PROGRESS_GAUGE
+
+
+class SchedulerGauge(IntEnum):
+    """Shown by name (lower case) in /server_info."""
+
+    USED_PAGES = 0
+    TOTAL_PAGES = 1
+    RUNNING = 2
+    WAITING = 3
+    CACHED_PAGES = 4

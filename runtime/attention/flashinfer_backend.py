@@ -1,0 +1,145 @@
+"""flashinfer on CUDA: paged prefill and tensor-core decode, planned once per step on the host,
+and the fixed-buffer wrappers that CUDA graphs replay."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from runtime.attention.backend import GraphWrapper
+from runtime.attention.pool import KVPool
+from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.kernels.rope import Rope
+
+
+def _copy_each(copies: Sequence[tuple[Tensor, Tensor]]) -> None:
+    for src, dst in copies:
+        dst.copy_(src, non_blocking=True)
+
+
+class FlashInferAttention:
+    """flashinfer's paged prefill (mixed steps) and tensor-core decode (decode-only steps; it ran
+    faster than the CUDA-core kernel even at two query heads per KV head). As a GraphAttention it
+    also gives CUDA graphs wrappers with fixed buffers, ringllm's split-KV decode among them.
+
+    A wrapper's plan stages its work partition in pinned memory and copies it on the stream. With
+    a step in flight, the next plan could overwrite that staging area before the copy ran, so each
+    plan first waits for the copy of the one before, which is queued behind the step before that:
+    with three steps in flight, the wait ends as the oldest of them does."""
+
+    def __init__(self, pool: KVPool, num_heads: int) -> None:
+        import flashinfer  # optional: present on CUDA machines only
+
+        self.flashinfer, self.pool, self.num_heads = flashinfer, pool, num_heads
+        self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
+        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self.active = self.prefill
+        try:
+            from runtime.kernels.triton.host_copy import send
+        except ImportError:  # no Triton: step inputs go by cudaMemcpyAsync
+            send = _copy_each
+        self._send = send
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+
+    def _graph_buffers(self, batch_size: int, max_pages: int) -> tuple[Tensor, Tensor, Tensor]:
+        """kv indptr, kv indices and last page lengths, fixed for a graph's lifetime."""
+        device = self.pool.device
+        return (torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+                torch.zeros(max_pages, dtype=torch.int32, device=device),
+                torch.zeros(batch_size, dtype=torch.int32, device=device))
+
+    def decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
+        """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
+        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
+        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
+
+    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> TritonDecode | None:
+        """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
+        None where Triton does not import."""
+        try:
+            from runtime.kernels.triton.decode_attention import decode_attention
+        except ImportError:
+            return None
+        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention)
+
+    def prefill_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
+        """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
+        first plan fixes the most rows it takes, and with them its launch grid."""
+        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
+        return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(indptr), paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len)
+
+    def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None,
+                copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
+        """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
+        `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
+        and the next prepare waits for them too."""
+        self.wait_for_sent()
+        self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        if isinstance(self.active, TritonDecode):
+            copies = [*copies, self.active.plan(meta)]
+        else:
+            self._plan_flashinfer(meta)
+        if copies:
+            self._send(copies)
+        self._planned.record()
+
+    def wait_for_sent(self) -> None:
+        """Blocks until the last prepare's copies have run, so their pinned sources may be rewritten."""
+        self._planned.synchronize()
+
+    def _plan_flashinfer(self, meta: AttentionMeta) -> None:
+        pool = self.pool
+        kv_indptr = torch.from_numpy(meta.kv_indptr)
+        indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
+        last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
+        shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
+        if isinstance(self.active, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
+            self.active.plan(kv_indptr, indices, last_page_len, *shape,
+                             q_data_type=pool.dtype, kv_data_type=pool.dtype, seq_lens=torch.from_numpy(meta.kv_lens))
+        else:
+            self.active.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True,
+                             q_data_type=pool.dtype, kv_data_type=pool.dtype)
+
+    @property
+    def rotates(self) -> bool:
+        """ringllm's split-KV decode norms and rotates q and writes the new K and V in its own pass."""
+        return isinstance(self.active, TritonDecode)
+
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
+        # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
+        out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
+        if rope is not None:
+            return self.active.run(q, self.pool.kv[layer], out=out, rope=rope)
+        return self.active.run(q, self.pool.kv[layer], out=out)
+
+
+class TritonDecode:
+    """A flashinfer decode wrapper's plan and run, for runtime.kernels.triton.decode_attention. A plan
+    stages the step's page lists and lengths in pinned memory, and prepare sends them into the buffer
+    its graph reads; like flashinfer's plans, the next one waits for that copy."""
+
+    def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor]) -> None:
+        self.staged = torch.zeros(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
+        self.buffer = torch.zeros_like(self.staged, device=device)
+        b = batch_size
+        self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
+        self.attend = attend
+
+    def plan(self, meta: AttentionMeta) -> tuple[Tensor, Tensor]:
+        """Stages the plan; returns the copy (pinned, device) that sends it."""
+        b, used = len(self.kv_lens), 2 * len(self.kv_lens) + 1 + len(meta.kv_indices)
+        assert len(meta.kv_lens) == b, "a graph's plan has its batch size"
+        staged = self.staged.numpy()
+        staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
+        return self.staged[:used], self.buffer[:used]
+
+    def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None) -> Tensor:
+        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope)

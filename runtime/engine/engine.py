@@ -1,0 +1,300 @@
+"""The engine: weights, the KV pool, per-slot state and sampling. It executes step plans and
+makes no scheduling decision.
+
+`launch` queues a step on the device and returns at once; `PendingStep.result` reads the sampled
+ids later. A decode feeds each slot the token its previous step sampled, straight from a device
+tensor, so step i+1 can be planned and queued while step i still runs.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import structlog
+import torch
+
+from runtime.attention import ATTENTION_BACKENDS
+from runtime.attention.pool import KVPool
+from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
+from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
+from runtime.engine.gemm_tuner import use_few_row_gemms, use_one_row_fusion
+from runtime.engine.sampling import (
+    Feedback,
+    Sample,
+    SampleRow,
+    logprob_dicts,
+    sample,
+    warm_up_draws,
+)
+from runtime.models.cpu_linears import default_dtype
+from runtime.models.loader import build_model
+from runtime.sampling_params import SamplingParams
+from runtime.step import Sampled, StepPlan
+
+log = structlog.get_logger()
+
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else default_dtype()
+    if name not in DTYPES:
+        raise ValueError(f"dtype {name!r} is not one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+@dataclass
+class SlotState:
+    params: SamplingParams
+    seed: int
+    prompt_ids: list[int]
+    output_ids: list[int]  # read back so far
+    sampled: int  # tokens drawn, read back or not: the position of the next draw is prompt + sampled
+    num_pages: int = 0
+
+    def row(self) -> SampleRow:
+        return SampleRow(self.params, self.seed, len(self.prompt_ids) + self.sampled, self.prompt_ids, self.output_ids)
+
+
+@dataclass
+class PendingStep:
+    """A queued step's draws, copied to pinned host memory behind an event."""
+
+    states: list[SlotState]
+    slots: list[int]
+    rows: list[SampleRow]
+    sample: Sample | None  # None: the step sampled nothing
+    host_tokens: torch.Tensor
+    done: torch.cuda.Event | None
+    _results: list[Sampled] | None = field(default=None)
+
+    @property
+    def read(self) -> bool:
+        return self._results is not None
+
+    def ready(self) -> bool:
+        """Has the device finished it (reading it would not block)?"""
+        return self.done is None or self.done.query()
+
+    def result(self) -> list[Sampled]:
+        if self._results is None:
+            if self.done is not None:
+                self.done.synchronize()
+            tokens = self.host_tokens.tolist()
+            logprobs = logprob_dicts(self.sample, self.rows, tokens) if self.sample else []
+            for state, token in zip(self.states, tokens):
+                state.output_ids.append(token)
+            self._results = [Sampled(slot, token, lp) for slot, token, lp in zip(self.slots, tokens, logprobs)]
+        return self._results
+
+
+@dataclass(slots=True)
+class HostStep:
+    """A step's metadata on the host (Engine._host_step): what its forward and its draw read."""
+
+    tokens: int  # rows of the step: each chunk's tokens, then one per decode
+    seq_slots: np.ndarray  # int64 [B]: the step's sequences, chunks first
+    qo_indptr: np.ndarray  # int64 [B + 1]: sequence i's rows are qo_indptr[i]:qo_indptr[i+1]
+    positions: np.ndarray  # int64 [tokens]
+    kv_rows: np.ndarray  # int64 [tokens, 2]: where each row's K and V go (batch.kv_rows)
+    meta: AttentionMeta
+    decodes: np.ndarray  # int64: the decodes' slots
+    sampled: list[int]  # the sequences that sample (a chunk that ends its prompt, every decode)
+    sample_slots: np.ndarray  # int64: their slots
+    states: list[SlotState]
+    rows: list[SampleRow]
+
+
+class Engine:
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        self.config = config
+        self.device = torch.device(config.device)
+        self.model_config = cfg = ModelConfig.load(model_dir)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights)
+        self.num_pages = self._pool_pages()
+        self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
+        self.pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, cfg.num_heads)
+        slots = config.max_running_requests
+        self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
+        self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
+        self.lengths = np.zeros(slots, dtype=np.int64)  # tokens whose KV is written (or queued to be)
+        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        self.slots: dict[int, SlotState] = {}
+        self._unread: deque[PendingStep] = deque()
+        self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
+        graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
+        if graphs and config.cuda_graph_max_bs:
+            max_bs = min(config.cuda_graph_max_bs, slots)
+            few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
+            one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
+            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page,
+                                       self.last_tokens)
+        if graphs and config.cuda_graph_max_prefill_tokens:
+            self.prefill_graphs = PrefillGraphs(self.model, self.attention, config.cuda_graph_max_prefill_tokens,
+                                                self.max_pages_per_seq, self.scratch_page, self.device,
+                                                self.graphs.pool if self.graphs else None)
+        self._warm_up()
+        log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
+                 pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
+                 cuda_graphs=self.graphs.sizes if self.graphs else None, few_row_kernels=few_row_gemms,
+                 one_row_fused=one_row_fused,
+                 decode_attention=self.graphs.attention_kernels if self.graphs else None,
+                 prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
+                 padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """One prefill on the scratch page and every kind of draw before serving. Kernels that build
+        on first use (flashinfer's JIT, Triton's sampler variants) do it now, inside start-up's
+        timeout, not under a request's watchdog."""
+        n = min(8, self.config.page_size)
+        positions = np.arange(n, dtype=np.int64)
+        meta = AttentionMeta(np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32),
+                             np.array([n], np.int32))
+        rows = kv_rows(np.full(n, self.scratch_page), positions, self.config.page_size)
+        batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions),
+                             self._to_device(rows), meta)
+        self.attention.prepare(meta)
+        warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
+        if self.device.type == "cuda":  # a kernel's fault surfaces here, and the draws' pinned buffers are done with
+            torch.cuda.synchronize(self.device)
+
+    def _pool_pages(self) -> int:
+        """--num-pages, else on CUDA what is left of mem_fraction of the device after the weights."""
+        cfg, config = self.model_config, self.config
+        if config.num_pages:
+            return config.num_pages
+        if self.device.type != "cuda":
+            return config.pages_for(DEFAULT_KV_TOKENS)
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = total * config.mem_fraction - (total - free)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        if budget < 16 * page_bytes:
+            raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
+        return int(budget // page_bytes) - 1
+
+    def _apply(self, plan: StepPlan) -> None:
+        for slot in plan.freed:
+            self.slots.pop(slot, None)
+        for new in plan.new_slots:
+            self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
+            self.lengths[new.slot] = new.cached
+        for slot, pages in plan.pages:
+            state = self.slots[slot]
+            self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
+            state.num_pages += len(pages)
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan) -> PendingStep:
+        """Queues the plan's forward and draw on the device and returns without waiting for either."""
+        self._apply(plan)
+        step = self._host_step(plan)
+        if any(row.params.penalized for row in step.rows):  # penalties count every earlier token
+            self._read_all()
+        logits, sample_slots_on_device = self._forward(plan, step)
+        if logits is None:  # nothing samples
+            return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
+        return self._sample(step, logits, sample_slots_on_device)
+
+    def _host_step(self, plan: StepPlan) -> HostStep:
+        """The step's rows, positions, KV rows and attention plan on the host, chunks first; the
+        slots' lengths move on past it."""
+        chunk_slots = [c.slot for c in plan.chunks]
+        seq_slots = np.array(chunk_slots + plan.decodes, dtype=np.int64)
+        q_lens = np.array([len(c.token_ids) for c in plan.chunks] + [1] * len(plan.decodes), dtype=np.int64)
+        starts = self.lengths[seq_slots]
+        kv_lens = starts + q_lens
+        self.lengths[seq_slots] = kv_lens
+        qo_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=qo_indptr[1:])
+        tokens = int(qo_indptr[-1])
+        positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
+        ps = self.config.page_size
+        kv_dest = kv_rows(self.page_table[np.repeat(seq_slots, q_lens), positions // ps], positions % ps, ps)
+        seq_pages = -(-kv_lens // ps)
+        kv_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
+        np.cumsum(seq_pages, out=kv_indptr[1:])
+        table = self.page_table[seq_slots, : int(seq_pages.max())]
+        kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
+        meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32),
+                             kv_lens.astype(np.int32))
+
+        sampled = [i for i, c in enumerate(plan.chunks) if c.sample] + list(range(len(chunk_slots), len(seq_slots)))
+        sample_slots = seq_slots[sampled]
+        states = [self.slots[s] for s in sample_slots.tolist()]
+        rows = [state.row() for state in states]
+        decodes = np.array(plan.decodes, dtype=np.int64)
+        return HostStep(tokens, seq_slots, qo_indptr, positions, kv_dest, meta, decodes, sampled, sample_slots, states, rows)
+
+    def _forward(self, plan: StepPlan, step: HostStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Queues the forward: a decode graph (decode-only steps it fits), a prefill graph, or eager.
+        Returns the logits of the sampling rows (None where none samples) and, from a decode graph,
+        their slots on the device."""
+        tokens, decodes, sampled = step.tokens, step.decodes, step.sampled
+        if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):  # every row samples
+            return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
+        # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
+        # alignment and strides at every step, so no step compiles a new variant of it
+        host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.positions, decodes, step.qo_indptr[1:][sampled] - 1]))
+        input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
+        n_chunk = tokens - len(decodes)
+        if n_chunk:
+            input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
+        if len(decodes):
+            input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
+        batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta)
+        shape = self.prefill_graphs.fit(tokens, len(step.seq_slots)) if self.prefill_graphs else None
+        if shape:
+            hidden = self.prefill_graphs.replay(shape, batch)
+        else:
+            self.attention.prepare(step.meta)
+            hidden = self.model(batch, self.attention)
+        return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
+
+    def _sample(self, step: HostStep, logits: torch.Tensor, sample_slots_on_device: torch.Tensor | None) -> PendingStep:
+        """Queues the draw of the sampling rows; each draw also becomes its slot's next input token."""
+        if sample_slots_on_device is None:
+            sample_slots_on_device = self._to_device(step.sample_slots)
+        host = torch.empty(len(step.rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
+        drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host))
+        for state in step.states:
+            state.sampled += 1
+        return self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
+
+    def _to_device(self, array: np.ndarray) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)
+
+    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample,
+                 host: torch.Tensor) -> PendingStep:
+        """`host` holds the draws (in pinned memory on CUDA, written by the step); the step's event
+        covers them: reading them must not wait on later steps."""
+        if self.device.type == "cuda":
+            if drawn.logprob_rows:
+                drawn.top_ids, drawn.top_values, drawn.chosen = (
+                    t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen))
+            done = torch.cuda.Event()
+            done.record()
+            step = PendingStep(states, slots, rows, drawn, host, done)
+        else:
+            step = PendingStep(states, slots, rows, drawn, host, None)
+        while self._unread and self._unread[0].read:
+            self._unread.popleft()
+        self._unread.append(step)
+        return step
+
+    def _read_all(self) -> None:
+        while self._unread:
+            self._unread.popleft().result()
+
+    def reset(self) -> None:
+        """Forget every slot (a new epoch): the next plans open them afresh."""
+        self._read_all()
+        self.slots.clear()

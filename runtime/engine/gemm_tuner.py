@@ -1,0 +1,218 @@
+"""Few-row kernels for CUDA decode, chosen per weight shape and row count by timing at start-up.
+
+cuBLAS's heuristics pick poor kernels for some few-row shapes. Two kernels may stand in: flashinfer's
+`tinygemm_bf16` (TensorRT-LLM's latency GEMM) and, at one row, ringllm's GEMV
+(runtime.kernels.triton.gemv). Neither is right everywhere (tinygemm loses on wide outputs and past
+16 rows), so each shape's linears are timed every way, all layers in one CUDA graph as decode runs
+them, at the graph batch sizes; a kernel replaces cuBLAS only at the row counts where it won.
+
+At one row, the GEMV can also fold in the kernel before the projection: a decoder layer's RMSNorm
+(with the residual add) before qkv_proj and gate_up_proj, and SiLU-and-mul before down_proj. Each
+such pair is timed fused against the pair as chosen above, over all layers, and fused where that
+won. Last, the summed stream (every pair fused, the residual adds moved into o_proj's and
+down_proj's epilogues, no norm kernel left) is timed against those choices: it trades a step's norm
+kernels for the norm weights' loads inside the GEMVs, which pays on some models and not on others.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import defaultdict
+from collections.abc import Callable, Iterable
+
+import structlog
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.engine import cuda_graph
+from runtime.models.dense import DecoderLayer, OneRowFusion
+from runtime.models.layers import linear_slots
+
+log = structlog.get_logger()
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]  # (x, weight, bias) -> x·weightᵀ + bias
+
+MAX_ROWS = 16  # one or two of tinygemm's 8-row tiles; past that it lost on every shape measured
+MAX_K = 4096  # tinygemm has hung at larger K: it is never tried there
+MARGIN = 0.97  # a kernel must beat cuBLAS by 3% (best of three alternated rounds), so noise does not flip a choice
+STREAM_MARGIN = 0.99  # the summed stream must win by 1%: all layers' projections together time steadier than one
+
+
+def load_tinygemm(device: torch.device, dtype: torch.dtype) -> Callable | None:
+    """flashinfer's tinygemm_bf16, on Hopper (sm90) in bf16: where MAX_K was established. Other
+    architectures build the kernel with fewer pipeline stages, whose safe K was never measured."""
+    if device.type != "cuda" or dtype != torch.bfloat16 or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    try:
+        from flashinfer.gemm import tinygemm_bf16
+    except ImportError:
+        return None
+    return tinygemm_bf16
+
+
+def _gemv_kernels(device: torch.device, dtype: torch.dtype):
+    """runtime.kernels.triton.gemv where Triton imports, on CUDA in half precision; else None."""
+    if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
+        return None
+    try:
+        from runtime.kernels.triton import gemv as gemv_kernel
+    except ImportError:
+        return None
+    return gemv_kernel
+
+
+def _candidates(weight: torch.Tensor, rows: int, tinygemm: Callable | None, gemv_kernel) -> dict[str, Kernel]:
+    """The kernels that may run x·weightᵀ (+ bias) at `rows` rows, for any weight of this one's shape."""
+    n, k = weight.shape
+    kernels: dict[str, Kernel] = {"cublas": F.linear}
+    if tinygemm is not None and k <= MAX_K and k % 64 == 0 and n % 16 == 0:  # tinygemm's tiling needs K % 64 and N % 16
+        zero_bias = weight.new_zeros(n)  # tinygemm always adds one; made here, outside any graph capture
+
+        def run_tinygemm(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            out = x.new_empty(x.shape[0], w.shape[0])
+            tinygemm(x.contiguous(), w, out, zero_bias if b is None else b)
+            return out
+
+        kernels["tinygemm"] = run_tinygemm
+    for tile in gemv_kernel.tiles(n, k) if gemv_kernel is not None and rows == 1 else ():
+        kernels["gemv{}x{}".format(*tile)] = lambda x, w, b, tile=tile: gemv_kernel.gemv(x.contiguous(), w, b, tile)[0]
+    return kernels
+
+
+class FewRowLinear(nn.Module):
+    """A linear that runs its own kernel at the row counts in `kernels` and cuBLAS otherwise."""
+
+    def __init__(self, linear: nn.Linear, kernels: dict[int, Kernel]) -> None:
+        super().__init__()
+        self.weight, self.bias = linear.weight, linear.bias
+        self.kernels = kernels
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.kernels.get(x.shape[0], F.linear)(x, self.weight, self.bias)
+
+
+def _fastest(times: dict[str, float]) -> str:
+    return min(times, key=times.__getitem__)
+
+
+def _winner(times: dict[str, float], baseline: str, margin: float = MARGIN) -> str:
+    """The fastest, where it beat the baseline by the margin; else the baseline."""
+    best = _fastest(times)
+    return best if times[best] < margin * times[baseline] else baseline
+
+
+def _fastest_kernels(linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable | None,
+                     gemv_kernel) -> dict[int, tuple[str, Kernel]]:
+    """Row count -> the kernel (not cuBLAS), by name, that ran these linears (one weight shape, each with
+    its own bias or none) fastest there."""
+    weight = linears[0].weight
+    won = {}
+    for rows in row_counts:
+        kernels = _candidates(weight, rows, tinygemm, gemv_kernel)
+        if len(kernels) == 1:
+            continue
+        x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
+        times = cuda_graph.time_captured({name: lambda run=run, x=x: [run(x, linear.weight, linear.bias) for linear in linears]
+                                          for name, run in kernels.items()})
+        name = _winner(times, "cublas")
+        if name != "cublas":
+            won[rows] = (name, kernels[name])
+    return won
+
+
+@torch.inference_mode()
+def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch.device, dtype: torch.dtype) -> dict[str, dict[int, str]]:
+    """Swap in FewRowLinear where a kernel beat cuBLAS; returns {"out x in": {rows: kernel}} of what was swapped."""
+    tinygemm, gemv_kernel = load_tinygemm(device, dtype), _gemv_kernels(device, dtype)
+    row_counts = sorted(r for r in row_counts if r <= MAX_ROWS)
+    if (tinygemm is None and gemv_kernel is None) or not row_counts:
+        return {}
+    by_shape: dict[tuple[int, int], list[tuple[nn.Module, str, nn.Linear]]] = defaultdict(list)
+    for slot in linear_slots(model):
+        by_shape[tuple(slot[2].weight.shape)].append(slot)
+    chosen = {}
+    for (n, k), members in by_shape.items():
+        try:
+            won = _fastest_kernels([linear for _, _, linear in members], row_counts, tinygemm, gemv_kernel)
+        except RuntimeError as exc:  # a kernel that fails to build or launch here: cuBLAS keeps the shape
+            log.warning("few_row_kernel_unusable", shape=f"{n}x{k}", error=str(exc)[:200])
+            continue
+        if won:
+            kernels = {rows: kernel for rows, (_, kernel) in won.items()}
+            for parent, name, linear in members:
+                setattr(parent, name, FewRowLinear(linear, kernels))
+            chosen[f"{n}x{k}"] = {rows: kernel_name for rows, (kernel_name, _) in won.items()}
+    return chosen
+
+
+@torch.inference_mode()
+def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+    """Fuse each of a decoder layer's norm→qkv, norm→gate_up and SiLU→down pairs at one row where a
+    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then
+    the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
+    epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
+    gemv_kernel = _gemv_kernels(device, dtype)
+    if gemv_kernel is None or not layers:
+        return {}
+    first = layers[0]
+    hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
+    h, residual = (torch.randn(1, hidden, dtype=dtype, device=device) for _ in range(2))
+    gate_up = torch.randn(1, 2 * inter, dtype=dtype, device=device)
+    attended = torch.randn(1, first.self_attn.o_proj.weight.shape[1], dtype=dtype, device=device)
+
+    Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
+
+    def tiled(prefix: str, kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
+              call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+        """The kernel at each tile of the linear's shape."""
+        found: Ways = {}
+        for tile in gemv_kernel.tiles(*linear(first).weight.shape):
+            tiled_kernel = functools.partial(kernel, tile=tile)
+            found[prefix + "{}x{}".format(*tile)] = (lambda k=tiled_kernel: [call(k, layer) for layer in layers], tiled_kernel)
+        return found
+
+    def ways(pair: Callable[[DecoderLayer], object], kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
+             fused_call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+        """The pair as it stands, and the fused kernel at each tile of the linear's shape."""
+        return {"pair": (lambda: [pair(layer) for layer in layers], None), **tiled("fused", kernel, linear, fused_call)}
+
+    def norm_ways(norm: Callable[[DecoderLayer], nn.Module], linear: Callable[[DecoderLayer], nn.Module]) -> Ways:
+        x, r = h.clone(), residual.clone()  # the pair's norm adds and normalises in place
+        return ways(lambda layer: linear(layer)(norm(layer)(x, r)[0]), gemv_kernel.norm_linear, linear,
+                    lambda fused, layer: fused(h, residual, norm(layer), linear(layer)))
+
+    pairs = {
+        "qkv": norm_ways(lambda layer: layer.input_layernorm, lambda layer: layer.self_attn.qkv_proj),
+        "gate_up": norm_ways(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),
+        "down": ways(lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)), gemv_kernel.silu_linear,
+                     lambda layer: layer.mlp.down_proj, lambda fused, layer: fused(gate_up, layer.mlp.down_proj)),
+    }
+    o_adds = tiled("add", gemv_kernel.linear_add, lambda layer: layer.self_attn.o_proj,  # the residual add in o_proj's epilogue
+                   lambda o_add, layer: o_add(attended, layer.self_attn.o_proj, residual))
+    try:
+        times = {name: cuda_graph.time_captured({way: run for way, (run, _) in candidates.items()})
+                 for name, candidates in {**pairs, "o_proj": o_adds}.items()}
+    except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
+        log.warning("one_row_fusion_unusable", error=str(exc)[:200])
+        return {}
+    chosen = {name: _winner(times[name], "pair") for name in pairs}
+    fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
+    best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
+    summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
+    layer_times = cuda_graph.time_captured({way: lambda f=f: _layer_projections(layers, f, h, attended)
+                                            for way, f in (("as chosen", fusion), ("fused stream", summed))})
+    log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
+    if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
+        fusion, chosen = summed, {**best, "stream": "summed"}
+    for layer in layers:
+        layer.one_row = fusion
+    return {name: way for name, way in chosen.items() if way != "pair"}
+
+
+def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, h: torch.Tensor, attended: torch.Tensor) -> None:
+    """All layers' projections and norms at one row as decode runs them under `fusion`, each layer's
+    attention output fixed (attention is the same either way), so only those kernels count."""
+    residual = None
+    for layer in layers:
+        h, residual = layer.forward_with(h, residual, lambda qkv: attended, fusion)

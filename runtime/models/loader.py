@@ -1,0 +1,92 @@
+"""Weights into the model: safetensors from a Hugging Face folder, or random ones for benchmarks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import structlog
+import torch
+from safetensors import safe_open
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.models import MODELS
+from runtime.models.cpu_linears import prepack_linears
+from runtime.models.dense import STACKED
+from runtime.models.layers import select_fused_ops
+
+log = structlog.get_logger()
+IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
+
+
+def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool,
+                fused_ops: str | None = None) -> nn.Module:
+    if cfg.architecture not in MODELS:
+        raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
+    ops_name, ops = select_fused_ops(device, dtype, fused_ops)
+    log.info("fused_ops", ops=ops_name, rope_kv_write="triton" if ops.rope_kv_write else None)
+    with torch.device("meta"):  # no time spent initialising weights that are overwritten next
+        model = MODELS[cfg.architecture](cfg, ops)
+    model.fused_ops = ops_name
+    model.to_empty(device=device)
+    model.to(dtype)
+    model.requires_grad_(False)
+    model.tie_weights()
+    if dummy:
+        _random_weights(model)
+    else:
+        _load_safetensors(model, model_dir)
+    model.make_rope_cache(device, dtype)
+    if device.type == "cpu":
+        log.info("cpu_linears", kind=prepack_linears(model, dtype))
+    return model.eval()
+
+
+def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
+    params = dict(model.named_parameters())  # tied weights appear once
+    shards = {f"{prefix}.{kind}": module.shard_sizes for prefix, module in model.named_modules()
+              if hasattr(module, "shard_sizes") for kind in ("weight", "bias") if f"{prefix}.{kind}" in params}
+
+    def destination(name: str) -> tuple[str, torch.Tensor] | None:
+        """Where a checkpoint tensor goes: its parameter, or its rows of a stacked one."""
+        if name in params:
+            return name, params[name]
+        for part, (stacked, shard) in STACKED.items():
+            target = name.replace(f".{part}.", f".{stacked}.")
+            if target != name and target in shards:
+                sizes = shards[target]
+                return f"{target}#{shard}", params[target].narrow(0, sum(sizes[:shard]), sizes[shard])
+        return None
+
+    missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
+    missing |= set(params) - set(shards)
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    unknown = []
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():
+                    if (found := destination(name)) is not None:
+                        key, target = found
+                        target.copy_(f.get_tensor(name))
+                        missing.discard(key)
+                    elif not name.endswith(IGNORED):
+                        unknown.append(name)
+    if missing:
+        raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    if unknown:  # a tensor the model has no place for would be silently lost: a wrong model
+        raise ValueError(f"{model_dir} has weights this model does not use: {sorted(unknown)[:5]}")
+    log.info("weights_loaded", model_dir=str(model_dir), files=len(files))
+
+
+def _random_weights(model: nn.Module) -> None:
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=torch.Generator(device=param.device).manual_seed(len(name)))

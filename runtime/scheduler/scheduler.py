@@ -1,0 +1,256 @@
+"""The scheduler: request table, admission, continuous batching, chunked prefill, pages, prefix
+cache and preemption. Pure Python: it plans steps and never touches a tensor."""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+
+from runtime.config import EngineConfig
+from runtime.sampling_params import SamplingParams
+from runtime.scheduler.pages import PageAllocator
+from runtime.scheduler.radix_cache import RadixCache, RadixNode
+from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, Sampled, StepPlan
+
+
+@dataclass
+class Request:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+    matched: int = 0  # tokens found in the prefix cache at its latest admission
+    # dropped on preemption:
+    slot: int | None = None
+    pages: list[int] = field(default_factory=list)  # the page table: shared prefix pages, then own
+    shared_pages: int = 0
+    prefix: RadixNode | None = None
+    computed: int = 0  # leading tokens whose KV is in `pages` once the planned steps have run
+    decoding: bool = False  # the engine holds the last token (it sampled it)
+    admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, num_pages: int, eos_token_ids: tuple[int, ...], max_position: int) -> None:
+        self.config = config
+        self.page_size = config.page_size
+        self.allocator = PageAllocator(num_pages)
+        self.cache = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.max_position = max_position
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self._free_slots = list(range(config.max_running_requests - 1, -1, -1))
+        self._by_slot: dict[int, Request] = {}
+        self._freed: list[int] = []
+        self._seeds = random.Random(config.seed)
+        self.reused_prefix_tokens = 0
+        self.preemptions = 0
+        self.ended: list[Request] = []  # finished while planning (they outgrew the pool); see take_ended
+        self.admitted: list[Request] = []
+        self._step = 0
+
+    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = ()) -> Request:
+        """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        if len(prompt_ids) >= self.max_position:
+            raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_position}")
+        if self.config.pages_for(len(prompt_ids) + 1) > self.allocator.num_pages:
+            raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(rid, list(prompt_ids), params, seed, list(generated))
+        self.waiting.append(request)
+        return request
+
+    def take_ended(self) -> list[Request]:
+        ended, self.ended = self.ended, []
+        return ended
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def used_pages(self) -> int:
+        return self.allocator.num_pages - self.allocator.num_free
+
+    def schedule(self) -> StepPlan:
+        """The next step; it needs no results of the previous one, as the engine feeds decodes itself."""
+        self._step += 1
+        plan = StepPlan(step=self._step, freed=self._freed)
+        self._freed, self.admitted = [], []
+        budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
+        for request in list(self.running):
+            if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
+                continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
+            prefilling = not request.decoding
+            count = min(len(request.tokens) - request.computed, budget) if prefilling else 1
+            if count and self._grow(request, count, plan):
+                self._feed(request, count, plan)
+                budget -= count if prefilling else 0
+        history = 0
+        while self.waiting and budget > 0 and self._free_slots:
+            request = self.waiting[0]
+            history += len(request.tokens)
+            if plan.new_slots and history > MAX_PLAN_HISTORY_TOKENS or not self._admit(request, plan):
+                break
+            self.waiting.popleft()
+            count = min(len(request.tokens) - request.computed, budget)
+            self._grow(request, count, plan)
+            self._feed(request, count, plan)
+            budget -= count
+        if not mixed and not plan.chunks:  # prefill first: decodes get the steps with nothing to prefill
+            for request in list(self.running):
+                if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
+                    self._feed(request, 1, plan)
+        if not plan:
+            self._freed = plan.freed  # sent with the next real step
+        return plan
+
+    def _fully_planned(self, request: Request) -> bool:
+        """Do the steps in flight already draw its last token by length?"""
+        drawn = request.computed - len(request.prompt_ids) + 1
+        return drawn >= request.params.max_tokens or request.computed + 1 >= self.max_position
+
+    def _feed(self, request: Request, count: int, plan: StepPlan) -> None:
+        if request.decoding:
+            plan.decodes.append(request.slot)
+        else:
+            start = request.computed
+            sample = start + count == len(request.tokens)
+            plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count], sample))
+            request.decoding = sample
+        request.computed += count
+
+    def _admit(self, request: Request, plan: StepPlan) -> bool:
+        """Admit only what can prefill its whole known sequence from free or evictable pages."""
+        if self.cache is not None:
+            pages, node = self.cache.match(request.tokens[:-1])  # the last token must be computed
+            self.cache.lock(node)
+            request.prefix, request.pages, request.shared_pages = node, list(pages), len(pages)
+            request.computed = len(pages) * self.page_size
+        needed = self.config.pages_for(len(request.tokens)) - len(request.pages)
+        if not self._reserve(needed):
+            self._drop_pages(request)
+            return False
+        request.matched = request.computed
+        if request.computed and not request.output_ids:
+            request.cached_tokens = request.computed
+        self.reused_prefix_tokens += request.computed
+        request.slot = self._free_slots.pop()
+        request.admitted_step = self._step
+        self.admitted.append(request)
+        self._by_slot[request.slot] = request
+        self.running.append(request)
+        plan.new_slots.append(NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed))
+        if request.pages:
+            plan.pages.append((request.slot, list(request.pages)))
+        return True
+
+    def _reserve(self, count: int) -> bool:
+        short = count - self.allocator.num_free
+        if short > 0 and self.cache is not None:
+            self.cache.evict(short)
+        return self.allocator.num_free >= count
+
+    def _grow(self, request: Request, count: int, plan: StepPlan) -> bool:
+        """Pages for `count` more tokens, preempting the newest requests if short; ends one outgrowing the pool."""
+        if self.config.pages_for(request.computed + count) > self.allocator.num_pages:
+            request.finish_reason = "length"
+            self._finish(request)
+            plan.freed.extend(self._freed)
+            self._freed = []
+            self.ended.append(request)
+            return False
+        needed = self.config.pages_for(request.computed + count) - len(request.pages)
+        while not self._reserve(needed):
+            victim = self.running[-1]
+            self._preempt(victim, plan)
+            if victim is request:
+                return False
+        if needed:
+            pages = self.allocator.alloc(needed)
+            request.pages += pages
+            plan.pages.append((request.slot, pages))
+        return True
+
+    def _preempt(self, request: Request, plan: StepPlan) -> None:
+        """Recompute later: drop its KV and slot, keep its tokens, and queue it first."""
+        self.preemptions += 1
+        self.running.remove(request)
+        plan.freed.append(request.slot)
+        self._release_slot(request)
+        self._drop_pages(request)
+        self.waiting.appendleft(request)
+
+    def _release_slot(self, request: Request) -> None:
+        del self._by_slot[request.slot]
+        self._free_slots.append(request.slot)
+        request.slot, request.decoding = None, False
+
+    def _drop_pages(self, request: Request) -> None:
+        self.allocator.free(request.pages[request.shared_pages :])
+        if request.prefix is not None:
+            self.cache.unlock(request.prefix)
+        request.pages, request.shared_pages, request.prefix, request.computed = [], 0, None, 0
+
+    def update(self, step: int, results: list[Sampled]) -> list[Request]:
+        """Record `step`'s tokens; returns the requests that got one."""
+        advanced = []
+        for result in results:
+            request = self._by_slot.get(result.slot)
+            if request is None or request.admitted_step > step:
+                continue  # the slot's request finished or was preempted after this step was planned
+            request.output_ids.append(result.token)
+            if result.logprobs is not None:
+                request.logprobs.append(result.logprobs)
+            if reason := self._finish_reason(request, result.token):
+                request.finish_reason = reason
+                self._finish(request)
+            advanced.append(request)
+        return advanced
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if len(request.output_ids) >= params.max_tokens or len(request.tokens) >= self.max_position:
+            return "length"
+        return None
+
+    def _finish(self, request: Request) -> None:
+        self.running.remove(request)
+        self._freed.append(request.slot)
+        self._release_slot(request)
+        if self.cache is not None:
+            whole = min(request.computed, len(request.tokens)) // self.page_size
+            self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
+            request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
+        self._drop_pages(request)
+
+    def abort(self, rid: int) -> Request | None:
+        for request in self.waiting:
+            if request.rid == rid:
+                self.waiting.remove(request)
+                break
+        else:
+            request = next((r for r in self.running if r.rid == rid), None)
+            if request is None:
+                return None
+            self.running.remove(request)
+            self._freed.append(request.slot)
+            self._release_slot(request)
+            self._drop_pages(request)
+        request.finish_reason = "abort"
+        return request
+
+    def flush_cache(self) -> int:
+        return self.cache.flush() if self.cache is not None else 0
