@@ -138,8 +138,11 @@ class ApiWorker(Actor):
         """Refuse at once, before any work, when `count` more requests would not fit: for now (Overloaded,
         a 503 worth retrying), or ever (a 400: a retry would be refused again)."""
         if count > self.capacity:
-            raise ApiError(f"the request asks for {count} completions (prompts x n), more than the {self.capacity} "
-                           "this server runs and queues at once", param="n")
+            raise ApiError(
+                f"the request asks for {count} completions (prompts x n), more than the {self.capacity} "
+                "this server runs and queues at once",
+                param="n",
+            )
         if self.control.draining:
             raise Overloaded("the server is shutting down")
         if sum(self.control.slots[i]["gauges"][ApiGauge.LIVE] for i in self._workers) + count > self.capacity:
@@ -173,8 +176,7 @@ class ApiWorker(Actor):
             await self.send("tokenizer", FlushCache(), rid)
             return await asyncio.wait_for(flushed, FLUSH_TIMEOUT_S)
         except TimeoutError:
-            raise ApiError("the prefix cache flush was lost in a restart of the pipeline; flush again", 503,
-                           kind="server_error") from None
+            raise ApiError("the prefix cache flush was lost in a restart of the pipeline; flush again", 503, kind="server_error") from None
         finally:
             self._flushes.pop(rid, None)
 
@@ -188,5 +190,9 @@ class ApiWorker(Actor):
 
     def server_info(self) -> dict:
         gauges = self.control.slots[self.control.index("scheduler")]["gauges"]
-        return {"model": self.served_model, "max_model_len": self.max_model_len, "epoch": self.epoch,
-                "scheduler": {g.name.lower(): int(gauges[g]) for g in SchedulerGauge}}
+        return {
+            "model": self.served_model,
+            "max_model_len": self.max_model_len,
+            "epoch": self.epoch,
+            "scheduler": {g.name.lower(): int(gauges[g]) for g in SchedulerGauge},
+        }

@@ -26,8 +26,11 @@ def status(port: int, as_json: bool) -> int:
         return 1
     try:
         if not pid_alive(control.supervisor_pid):
-            print(f"the supervisor of port {port} (pid {control.supervisor_pid}) is gone; "
-                  "its segments are swept by the next server on that port", file=sys.stderr)
+            print(
+                f"the supervisor of port {port} (pid {control.supervisor_pid}) is gone; "
+                "its segments are swept by the next server on that port",
+                file=sys.stderr,
+            )
             return 1
         rows = control.status()
     finally:
@@ -54,22 +57,35 @@ def serve(args: argparse.Namespace) -> int:
         if not args.body_timeout > 0:
             raise ValueError(f"body_timeout must be more than 0 seconds, not {args.body_timeout}")
         engine = EngineConfig(
-            page_size=args.page_size, num_pages=args.num_pages,
+            page_size=args.page_size,
+            num_pages=args.num_pages,
             max_prefill_tokens=args.max_prefill_tokens,
-            max_running_requests=args.max_running_requests, enable_prefix_cache=not args.disable_prefix_cache,
-            mixed_chunk=args.enable_mixed_chunk, dtype=args.dtype, device=args.device, dummy_weights=args.dummy_weights,
+            max_running_requests=args.max_running_requests,
+            enable_prefix_cache=not args.disable_prefix_cache,
+            mixed_chunk=args.enable_mixed_chunk,
+            dtype=args.dtype,
+            device=args.device,
+            dummy_weights=args.dummy_weights,
             attention_backend=args.attention_backend,
-            mem_fraction=args.mem_fraction, cuda_graph_max_bs=args.cuda_graph_max_bs,
-            cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens, steps_in_flight=args.steps_in_flight,
+            mem_fraction=args.mem_fraction,
+            cuda_graph_max_bs=args.cuda_graph_max_bs,
+            cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
+            steps_in_flight=args.steps_in_flight,
         )
     except ValueError as exc:  # before any process starts
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
     model_dir = resolve_model_dir(args.model)
     config = ServeConfig(
-        model_dir=str(model_dir), served_model_name=args.served_model_name or args.model or NAME,
-        host=args.host, port=args.port, api_workers=args.api_workers, engine=engine,
-        max_queued_requests=args.max_queued_requests, request_timeout=args.request_timeout, body_timeout=args.body_timeout,
+        model_dir=str(model_dir),
+        served_model_name=args.served_model_name or args.model or NAME,
+        host=args.host,
+        port=args.port,
+        api_workers=args.api_workers,
+        engine=engine,
+        max_queued_requests=args.max_queued_requests,
+        request_timeout=args.request_timeout,
+        body_timeout=args.body_timeout,
         watchdog_timeout=args.watchdog_timeout,
     )
     supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
@@ -131,41 +147,76 @@ def main(argv: list[str] | None = None) -> int:
     engine, cuda, cpu = EngineConfig, device_defaults("cuda"), device_defaults("cpu")
     by_device = lambda name: f"default: {cuda[name]} on CUDA, {cpu[name]} on CPU"  # noqa: E731
     s.add_argument("--page-size", type=int, default=engine.page_size)
-    s.add_argument("--num-pages", type=int, help="KV pool size in pages (default: what --mem-fraction leaves on CUDA, "
-                                                   f"{DEFAULT_KV_TOKENS} tokens on CPU)")
+    s.add_argument(
+        "--num-pages",
+        type=int,
+        help=f"KV pool size in pages (default: what --mem-fraction leaves on CUDA, {DEFAULT_KV_TOKENS} tokens on CPU)",
+    )
     s.add_argument("--max-running-requests", type=int, default=engine.max_running_requests)
     s.add_argument("--max-prefill-tokens", type=int, help=f"the prefill chunk budget of one step ({by_device('max_prefill_tokens')})")
     s.add_argument("--disable-prefix-cache", action="store_true")
-    s.add_argument("--enable-mixed-chunk", action="store_true",
-                   help="run decodes inside steps with prefill chunks (default: prefill first, as SGLang does)")
-    s.add_argument("--dtype", default=engine.dtype, help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on "
-                                                         "CPUs with AMX bf16 tiles, else float32)")
+    s.add_argument(
+        "--enable-mixed-chunk",
+        action="store_true",
+        help="run decodes inside steps with prefill chunks (default: prefill first, as SGLang does)",
+    )
+    s.add_argument(
+        "--dtype",
+        default=engine.dtype,
+        help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with AMX bf16 tiles, else float32)",
+    )
     s.add_argument("--device", default=engine.device)
     s.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help=by_device("attention_backend"))
-    s.add_argument("--mem-fraction", type=float, default=engine.mem_fraction,
-                   help="CUDA: share of device memory for weights and KV cache")
-    s.add_argument("--cuda-graph-max-bs", type=int, default=engine.cuda_graph_max_bs,
-                   help="CUDA: largest decode batch replayed as a graph; 0: off")
-    s.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=engine.cuda_graph_max_prefill_tokens,
-                   help="CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off")
-    s.add_argument("--steps-in-flight", type=int, help=f"steps planned ahead of their results ({by_device('steps_in_flight')}; "
-                                                       "1: no overlap)")
+    s.add_argument("--mem-fraction", type=float, default=engine.mem_fraction, help="CUDA: share of device memory for weights and KV cache")
+    s.add_argument(
+        "--cuda-graph-max-bs", type=int, default=engine.cuda_graph_max_bs, help="CUDA: largest decode batch replayed as a graph; 0: off"
+    )
+    s.add_argument(
+        "--cuda-graph-max-prefill-tokens",
+        type=int,
+        default=engine.cuda_graph_max_prefill_tokens,
+        help="CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off",
+    )
+    s.add_argument(
+        "--steps-in-flight", type=int, help=f"steps planned ahead of their results ({by_device('steps_in_flight')}; 1: no overlap)"
+    )
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
-    s.add_argument("--max-queued-requests", type=int, default=ServeConfig.max_queued_requests,
-                   help="beyond running + queued, new requests get a 503")
+    s.add_argument(
+        "--max-queued-requests", type=int, default=ServeConfig.max_queued_requests, help="beyond running + queued, new requests get a 503"
+    )
     s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")
-    s.add_argument("--body-timeout", type=float, default=ServeConfig.body_timeout,
-                   help="seconds a client may take to send a request's body; a body still incomplete then gets a 408 "
-                        "and its connection is closed (default: %(default)s)")
-    s.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s,
-                   help="seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog")
-    s.add_argument("--watchdog-timeout", type=float, default=ServeConfig.watchdog_timeout,
-                   help="seconds an engine step may make no progress before the engine is restarted: the watchdog "
-                        "can only restart it sooner than --hang-timeout, never later")
-    s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s,
-                   help="on SIGTERM, seconds in-flight requests may take")
-    s.add_argument("--log-format", choices=LOG_FORMATS, default="json",
-                   help="json: one object per line (what `ringllm trace` reads); console: aligned text")
+    s.add_argument(
+        "--body-timeout",
+        type=float,
+        default=ServeConfig.body_timeout,
+        help="seconds a client may take to send a request's body; a body still incomplete then gets a 408 "
+        "and its connection is closed (default: %(default)s)",
+    )
+    s.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=SupervisorConfig.hang_timeout_s,
+        help="seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog",
+    )
+    s.add_argument(
+        "--watchdog-timeout",
+        type=float,
+        default=ServeConfig.watchdog_timeout,
+        help="seconds an engine step may make no progress before the engine is restarted: the watchdog "
+        "can only restart it sooner than --hang-timeout, never later",
+    )
+    s.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=SupervisorConfig.shutdown_timeout_s,
+        help="on SIGTERM, seconds in-flight requests may take",
+    )
+    s.add_argument(
+        "--log-format",
+        choices=LOG_FORMATS,
+        default="json",
+        help="json: one object per line (what `ringllm trace` reads); console: aligned text",
+    )
 
     st = commands.add_parser("status", help="list the actors of a running server")
     st.add_argument("--port", type=int, default=8000)
@@ -177,8 +228,11 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--url", default="http://127.0.0.1:8000")
     c.add_argument("--temperature", type=float, help="sampling temperature (default: the server's)")
 
-    b = commands.add_parser("bench", help="benchmarks: offline throughput, or a load test of a running server "
-                                          "(see `ringllm bench offline --help`, `ringllm bench serve --help`)")
+    b = commands.add_parser(
+        "bench",
+        help="benchmarks: offline throughput, or a load test of a running server "
+        "(see `ringllm bench offline --help`, `ringllm bench serve --help`)",
+    )
     b.add_argument("workload", choices=["offline", "serve"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
 

@@ -70,8 +70,14 @@ class DetokenizerActor(Actor):
         rid, new = item.rid, item.token_ids
         if (first := item.announce) is not None:
             skip = first.detok.skip_special_tokens
-            self.streams[rid] = Stream(first.detok.stop, skip, first.detok.top_logprobs, DecodeStream(skip_special_tokens=skip),
-                                       prompt_tokens=first.prompt_tokens, cached_tokens=first.cached_tokens)
+            self.streams[rid] = Stream(
+                first.detok.stop,
+                skip,
+                first.detok.top_logprobs,
+                DecodeStream(skip_special_tokens=skip),
+                prompt_tokens=first.prompt_tokens,
+                cached_tokens=first.cached_tokens,
+            )
             for token in first.generated:  # a replay: rebuild the state its client has already seen
                 self._advance(self.streams[rid], [token], None)
         stream = self.streams.get(rid)
@@ -82,8 +88,11 @@ class DetokenizerActor(Actor):
         usage = None
         if finish is not None:
             del self.streams[rid]
-            usage = {"prompt_tokens": stream.prompt_tokens, "completion_tokens": stream.completion_tokens,
-                     "cached_tokens": stream.cached_tokens}
+            usage = {
+                "prompt_tokens": stream.prompt_tokens,
+                "completion_tokens": stream.completion_tokens,
+                "cached_tokens": stream.cached_tokens,
+            }
         return Delta(rid, text, new, finish, abort=finish is not None and item.finish is None, logprobs=logprobs, usage=usage)
 
     def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
@@ -117,5 +126,6 @@ class DetokenizerActor(Actor):
         """The sampled token's log-probability, and the `keep` best alternatives with their text."""
         text = lambda t: self.tokenizer.decode([t])  # noqa: E731
         ranked = sorted(((int(i), lp) for i, lp in top), key=lambda pair: -pair[1])
-        return [{"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": [[i, text(i), lp] for i, lp in ranked[:keep]]}
-                for t in new]
+        return [
+            {"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": [[i, text(i), lp] for i, lp in ranked[:keep]]} for t in new
+        ]

@@ -74,8 +74,16 @@ class EngineActor(Actor):
                     self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step
                 pending = self.engine.launch(plan)
-                self.in_flight.append(InFlight(plan.step, pending, launched, time.monotonic() - launched,
-                                               sum(len(c.token_ids) for c in plan.chunks), len(plan.decodes)))
+                self.in_flight.append(
+                    InFlight(
+                        plan.step,
+                        pending,
+                        launched,
+                        time.monotonic() - launched,
+                        sum(len(c.token_ids) for c in plan.chunks),
+                        len(plan.decodes),
+                    )
+                )
                 if len(self.in_flight) < self.engine.config.steps_in_flight and not self.in_flight[0].pending.ready():
                     continue  # room for one more while the device works; on CPU, launch has done the work
             elif not self.in_flight[0].pending.ready():
@@ -86,8 +94,14 @@ class EngineActor(Actor):
             now = time.monotonic()
             duration = now - max(done.launched, self.last_done)
             self.m_step_duration.observe(duration)
-            log.debug("step", step=done.step, prefill_tokens=done.prefill_tokens, decodes=done.decodes,
-                      launch_ms=round(done.launch_s * 1e3, 3), duration_ms=round(duration * 1e3, 3))
+            log.debug(
+                "step",
+                step=done.step,
+                prefill_tokens=done.prefill_tokens,
+                decodes=done.decodes,
+                launch_ms=round(done.launch_s * 1e3, 3),
+                duration_ms=round(duration * 1e3, 3),
+            )
             self.last_done = now
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
             await self.send("scheduler", StepResults(done.step, results), done.step)

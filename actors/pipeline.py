@@ -33,11 +33,12 @@ def pipeline(config: ServeConfig) -> Topology:
     actors = (
         ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options),
         ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
-        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True,
-                  watchdog_s=config.watchdog_timeout),
+        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True, watchdog_s=config.watchdog_timeout),
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options),
-        *(ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
-          for i, name in enumerate(workers)),
+        *(
+            ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
+            for i, name in enumerate(workers)
+        ),
     )
     edges = (
         *(Edge(name, "tokenizer") for name in workers),

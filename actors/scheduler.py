@@ -115,8 +115,13 @@ class SchedulerActor(Actor):
                     return
                 self.announce[rid] = (req.detok, req.generated)
                 self.timelines[rid] = Timeline(req.trace, time.monotonic())
-                log.info("queued", rid=req.trace, prompt_tokens=len(request.prompt_ids), generated=len(req.generated),
-                         waiting=len(self.core.waiting))
+                log.info(
+                    "queued",
+                    rid=req.trace,
+                    prompt_tokens=len(request.prompt_ids),
+                    generated=len(req.generated),
+                    waiting=len(self.core.waiting),
+                )
                 self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
             case Ping() as ping:
                 await self.send("engine" if peer == "tokenizer" else "detokenizer", ping, rid)
@@ -183,8 +188,7 @@ class SchedulerActor(Actor):
             self.m_prefix_hits.inc(hits)
             self.window.prefix_queries += looked_up
             self.window.prefix_hits += hits
-            log.info("scheduled", rid=timeline.trace, queue_s=round(queue_s, 6), cached_tokens=hits,
-                     running=len(self.core.running))
+            log.info("scheduled", rid=timeline.trace, queue_s=round(queue_s, 6), cached_tokens=hits, running=len(self.core.running))
 
     def _on_prefilled(self, request: Request) -> None:
         self.m_prompt_tokens.inc(len(request.prompt_ids))
@@ -197,8 +201,13 @@ class SchedulerActor(Actor):
         if (timeline := self.timelines.pop(request.rid, None)) is None or request.finish_reason == "abort":
             return
         decode_s = time.monotonic() - (timeline.prefilled or timeline.queued)
-        log.info("finished", rid=timeline.trace, finish_reason=request.finish_reason, output_tokens=len(request.output_ids),
-                 decode_s=round(decode_s, 6))
+        log.info(
+            "finished",
+            rid=timeline.trace,
+            finish_reason=request.finish_reason,
+            output_tokens=len(request.output_ids),
+            decode_s=round(decode_s, 6),
+        )
 
     async def _report_stats(self) -> None:
         """vLLM's periodic line: throughput, batch, KV use and prefix hits since the last one."""
@@ -209,10 +218,14 @@ class SchedulerActor(Actor):
             elapsed = now - w.started
             idle = not (w.prompt_tokens or w.generation_tokens or core.running or core.waiting)
             (log.debug if idle else log.info)(
-                "stats", prompt_tok_s=round(w.prompt_tokens / elapsed, 1), gen_tok_s=round(w.generation_tokens / elapsed, 1),
-                running=len(core.running), waiting=len(core.waiting),
+                "stats",
+                prompt_tok_s=round(w.prompt_tokens / elapsed, 1),
+                gen_tok_s=round(w.generation_tokens / elapsed, 1),
+                running=len(core.running),
+                waiting=len(core.waiting),
                 kv_usage=round(core.used_pages() / core.allocator.num_pages, 4),
-                prefix_hit_rate=round(w.prefix_hits / w.prefix_queries, 4) if w.prefix_queries else None)
+                prefix_hit_rate=round(w.prefix_hits / w.prefix_queries, 4) if w.prefix_queries else None,
+            )
 
     def _publish_gauges(self) -> None:
         core, gauges = self.core, self.slot["gauges"]

@@ -94,8 +94,11 @@ class Supervisor:
         """On SIGTERM: are the requests in hand finished, or out of time?"""
         if self._drain_until is None:
             return False
-        busy = [i for i, a in enumerate(self.topology.actors)
-                if a.drain_gauge is not None and self.control.slots[i]["gauges"][a.drain_gauge] > 0]
+        busy = [
+            i
+            for i, a in enumerate(self.topology.actors)
+            if a.drain_gauge is not None and self.control.slots[i]["gauges"][a.drain_gauge] > 0
+        ]
         if busy and time.monotonic() < self._drain_until:
             return False
         log.info("drained", unfinished=len(busy))

@@ -134,8 +134,9 @@ class TokenizerActor(Actor):
             return  # aborted while it encoded: the abort has gone on already
         if ids is None:
             param = "messages" if sub.req.messages is not None else "prompt"
-            await self._refuse(sub, f"this model's maximum context length is {self.max_position} tokens; the prompt "
-                                    "has more than that", param=param)
+            await self._refuse(
+                sub, f"this model's maximum context length is {self.max_position} tokens; the prompt has more than that", param=param
+            )
         elif isinstance(ids, str):
             await self._refuse(sub, ids)
         else:
@@ -153,8 +154,7 @@ class TokenizerActor(Actor):
 
     async def _forward(self, sub: Submission, ids: list[int], started: float, batch: int) -> None:
         req, limit = sub.req, self.max_position
-        log.info("tokenized", rid=req.trace, prompt_tokens=len(ids), batch=batch,
-                 tokenize_s=round(time.monotonic() - started, 6))
+        log.info("tokenized", rid=req.trace, prompt_tokens=len(ids), batch=batch, tokenize_s=round(time.monotonic() - started, 6))
         params = req.params
         if params["max_tokens"] is None:  # the rest of the context, as vLLM does
             params = {**params, "max_tokens": max(1, limit - len(ids))}
@@ -175,4 +175,3 @@ class TokenizerActor(Actor):
 
     async def _refuse(self, sub: Submission, message: str, param: str | None = None) -> None:
         await self.send("scheduler", Refusal(message, 400, param), sub.rid, epoch=sub.epoch)
-

@@ -98,8 +98,9 @@ async def _read_body(request: web.Request, timeout: float | None) -> bytes:
         async with asyncio.timeout(timeout):
             return await request.read()
     except TimeoutError:
-        raise ClosingError(f"the request body did not arrive within the server's --body-timeout of {timeout:g} s",
-                           408, code="timeout") from None
+        raise ClosingError(
+            f"the request body did not arrive within the server's --body-timeout of {timeout:g} s", 408, code="timeout"
+        ) from None
 
 
 @web.middleware
@@ -122,7 +123,9 @@ async def openai_errors(request: web.Request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return _json(ApiError(exc.reason, exc.status, kind="invalid_request_error" if exc.status < 500 else "server_error").body(), exc.status)
+        return _json(
+            ApiError(exc.reason, exc.status, kind="invalid_request_error" if exc.status < 500 else "server_error").body(), exc.status
+        )
     except RequestPayloadError as exc:  # a body that its Content-Encoding cannot decode
         return _json(ApiError(f"the request body could not be read: {exc}").body(), 400)
     except Exception as exc:  # a bug of ours: still an OpenAI-shaped answer, and the worker lives on
@@ -209,8 +212,14 @@ class RequestClock:
             e2e = now - self.arrived
             m.e2e.observe(e2e)
             m.success.labels(self.model, state.finish).inc()
-            log.info("finished", rid=state.trace, finish_reason=state.finish, e2e_s=round(e2e, 6),
-                     ttft_s=state.first_token_s and round(state.first_token_s, 6), **(state.usage or {}))
+            log.info(
+                "finished",
+                rid=state.trace,
+                finish_reason=state.finish,
+                e2e_s=round(e2e, 6),
+                ttft_s=state.first_token_s and round(state.first_token_s, 6),
+                **(state.usage or {}),
+            )
 
 
 class Handlers:
@@ -267,8 +276,13 @@ class Handlers:
                     detok = {"stop": c.stop, "skip_special_tokens": c.skip_special_tokens, "top_logprobs": c.logprobs or 0}
                     index = p * c.n + j
                     trace = rid if len(c.prompts) * c.n == 1 else f"{rid}/{index}"
-                    meta = {"params": params, "detok": detok, "trace": trace,
-                            "messages": prompt.get("messages"), "prompt": prompt.get("prompt")}
+                    meta = {
+                        "params": params,
+                        "detok": detok,
+                        "trace": trace,
+                        "messages": prompt.get("messages"),
+                        "prompt": prompt.get("prompt"),
+                    }
                     choices[await self.gateway.submit(meta, prompt.get("ids"), inbox)] = ChoiceState(index, trace)
             if c.stream:
                 return await self._stream(request, c, inbox, choices, clock)
@@ -300,8 +314,11 @@ class Handlers:
     def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         states = list(choices.values())
         firsts = [s for s in states if s.index % c.n == 0]  # a prompt counts once, however many choices
-        return usage(sum(s.usage["prompt_tokens"] for s in firsts), sum(s.usage["completion_tokens"] for s in states),
-                     sum(s.usage["cached_tokens"] for s in firsts))
+        return usage(
+            sum(s.usage["prompt_tokens"] for s in firsts),
+            sum(s.usage["completion_tokens"] for s in states),
+            sum(s.usage["cached_tokens"] for s in firsts),
+        )
 
     def _whole(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         out = []
@@ -310,12 +327,12 @@ class Handlers:
             out.append(choice(c, s.index, "".join(s.text), s.finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False))
         return {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
 
-    async def _stream(self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState],
-                      clock: RequestClock) -> web.StreamResponse:
+    async def _stream(
+        self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState], clock: RequestClock
+    ) -> web.StreamResponse:
         first = await inbox.get()  # a refusal before any token is still a plain HTTP error
         _raise_if_refused(first)
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                               "X-Request-Id": clock.rid})
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": clock.rid})
         await response.prepare(request)
         delta: dict | None = first
         try:
@@ -325,7 +342,9 @@ class Handlers:
                 chunk = envelope(c, chunk=True)
                 logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
-                chunk["choices"] = [choice(c, state.index, delta["text"], state.finish, logprobs, token_ids, delta=True, first=not state.started)]
+                chunk["choices"] = [
+                    choice(c, state.index, delta["text"], state.finish, logprobs, token_ids, delta=True, first=not state.started)
+                ]
                 state.started = True
                 if c.include_usage:
                     chunk["usage"] = None
@@ -338,14 +357,22 @@ class Handlers:
         except ConnectionResetError:  # the client left; the caller's finally aborts what is unfinished
             return response
         if c.include_usage:
-            await response.write(b"data: " + orjson.dumps({**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}) + b"\n\n")
+            await response.write(
+                b"data: " + orjson.dumps({**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}) + b"\n\n"
+            )
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
 
     async def models(self, request: web.Request) -> web.Response:
-        model = {"id": self.gateway.served_model, "object": "model", "created": int(time.time()), "owned_by": "ringllm",
-                 "root": self.gateway.served_model, "max_model_len": self.gateway.max_model_len}
+        model = {
+            "id": self.gateway.served_model,
+            "object": "model",
+            "created": int(time.time()),
+            "owned_by": "ringllm",
+            "root": self.gateway.served_model,
+            "max_model_len": self.gateway.max_model_len,
+        }
         return _json({"object": "list", "data": [model]})
 
     async def health(self, request: web.Request) -> web.Response:
@@ -373,15 +400,17 @@ class Handlers:
 def build_app(gateway: Gateway) -> web.Application:
     app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
     h = Handlers(gateway)
-    app.add_routes([
-        web.post("/v1/chat/completions", h.chat),
-        web.post("/v1/completions", h.completions),
-        web.get("/v1/models", h.models),
-        web.get("/health", h.health),
-        web.get("/health/live", h.live),
-        web.get("/version", h.version),
-        web.get("/server_info", h.server_info),
-        web.get("/metrics", h.metrics),
-        web.post("/flush_cache", h.flush_cache),
-    ])
+    app.add_routes(
+        [
+            web.post("/v1/chat/completions", h.chat),
+            web.post("/v1/completions", h.completions),
+            web.get("/v1/models", h.models),
+            web.get("/health", h.health),
+            web.get("/health/live", h.live),
+            web.get("/version", h.version),
+            web.get("/server_info", h.server_info),
+            web.get("/metrics", h.metrics),
+            web.post("/flush_cache", h.flush_cache),
+        ]
+    )
     return app

@@ -23,8 +23,9 @@ UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "t
 
 
 class ApiError(Exception):
-    def __init__(self, message: str, status: int = 400, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error") -> None:
+    def __init__(
+        self, message: str, status: int = 400, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
+    ) -> None:
         super().__init__(message)
         self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
 
@@ -106,15 +107,20 @@ def _check_prompt_size(prompt: dict, max_tokens: int | None, limits: Limits) -> 
             raise ApiError(message, param="max_tokens")
         return
     if "messages" in prompt and len(prompt["messages"]) >= limits.max_model_len:  # the template gives each a token at least
-        raise ApiError(f"this model's maximum context length is {limits.max_model_len} tokens; a conversation of "
-                       f"{len(prompt['messages'])} messages has more than that", param="messages")
+        raise ApiError(
+            f"this model's maximum context length is {limits.max_model_len} tokens; a conversation of "
+            f"{len(prompt['messages'])} messages has more than that",
+            param="messages",
+        )
     if (bound := limits.max_prompt_bytes) is None:
         return
     texts = [m["content"] for m in prompt["messages"] if m["role"] != "assistant"] if "messages" in prompt else [prompt["prompt"]]
     if (size := sum(map(text_bytes, texts))) > bound:
-        raise ApiError(f"this model's maximum context length is {limits.max_model_len} tokens; a prompt of {size} bytes has "
-                       f"more than that (no token is longer than {limits.max_token_bytes} bytes)",
-                       param="messages" if "messages" in prompt else "prompt")
+        raise ApiError(
+            f"this model's maximum context length is {limits.max_model_len} tokens; a prompt of {size} bytes has "
+            f"more than that (no token is longer than {limits.max_token_bytes} bytes)",
+            param="messages" if "messages" in prompt else "prompt",
+        )
 
 
 def _messages(body: dict) -> list[dict]:
@@ -151,8 +157,9 @@ def _prompts(body: dict, limits: Limits) -> list[dict]:
         return [{"prompt": p} for p in prompt]
     if isinstance(prompt, list) and prompt and all(_is_token_list(p, limits) for p in prompt):
         return [{"ids": p} for p in prompt]
-    raise ApiError(f"'prompt' must be a string, a list of strings, or (lists of) token ids below the vocabulary's "
-                   f"{limits.vocab_size}", param="prompt")
+    raise ApiError(
+        f"'prompt' must be a string, a list of strings, or (lists of) token ids below the vocabulary's {limits.vocab_size}", param="prompt"
+    )
 
 
 def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completion:
@@ -162,8 +169,13 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     if model is None:
         raise ApiError("'model' is required", param="model")
     if model != served_model:
-        raise ApiError(f"the model '{model}' does not exist; this server serves '{served_model}'", status=404,
-                       param="model", code="model_not_found", kind="NotFoundError")
+        raise ApiError(
+            f"the model '{model}' does not exist; this server serves '{served_model}'",
+            status=404,
+            param="model",
+            code="model_not_found",
+            kind="NotFoundError",
+        )
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
@@ -177,12 +189,15 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     stop = _get(body, "stop", (str, list), default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
-        raise ApiError(f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most "
-                       f"{MAX_STOP_CHARS} characters", param="stop")
+        raise ApiError(
+            f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", param="stop"
+        )
     stop_ids = _get(body, "stop_token_ids", (list,), default=[])
     if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
-        raise ApiError(f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids below the vocabulary's "
-                       f"{limits.vocab_size}", param="stop_token_ids")
+        raise ApiError(
+            f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids below the vocabulary's {limits.vocab_size}",
+            param="stop_token_ids",
+        )
     for prompt in prompts:
         _check_prompt_size(prompt, max_tokens, limits)
     logprobs = _logprobs(body, chat)
@@ -206,9 +221,16 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         logprobs=logprobs,
     )
     return Completion(
-        chat=chat, model=model, prompts=prompts, params=params, stream=stream, include_usage=include_usage, stop=stop,
+        chat=chat,
+        model=model,
+        prompts=prompts,
+        params=params,
+        stream=stream,
+        include_usage=include_usage,
+        stop=stop,
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}"),
-        logprobs=logprobs, echo_token_ids=_get(body, "return_token_ids", (bool,), False),
+        logprobs=logprobs,
+        echo_token_ids=_get(body, "return_token_ids", (bool,), False),
         skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
     )
 
@@ -229,24 +251,32 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens, "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
+    }
 
 
 def logprobs_block(chat: bool, entries: list[dict], text_offset: int) -> dict:
     """OpenAI's logprobs object for `entries` (one per token: token, logprob, top)."""
     if chat:
+
         def item(token: str, logprob: float) -> dict:
             return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
-        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for _, t, lp in e["top"]]}
-                            for e in entries]}
+        return {"content": [{**item(e["token"], e["logprob"]), "top_logprobs": [item(t, lp) for _, t, lp in e["top"]]} for e in entries]}
     offsets, at = [], text_offset
     for e in entries:
         offsets.append(at)
         at += len(e["token"])
-    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
-            "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries], "text_offset": offsets}
+    return {
+        "tokens": [e["token"] for e in entries],
+        "token_logprobs": [e["logprob"] for e in entries],
+        "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries],
+        "text_offset": offsets,
+    }
 
 
 def envelope(c: Completion, chunk: bool) -> dict:
@@ -254,8 +284,16 @@ def envelope(c: Completion, chunk: bool) -> dict:
     return {"id": ("chatcmpl-" if c.chat else "cmpl-") + c.id, "object": kind, "created": c.created, "model": c.model}
 
 
-def choice(c: Completion, index: int, text: str, finish: str | None, logprobs: dict | None, token_ids: list[int] | None,
-           delta: bool, first: bool = False) -> dict:
+def choice(
+    c: Completion,
+    index: int,
+    text: str,
+    finish: str | None,
+    logprobs: dict | None,
+    token_ids: list[int] | None,
+    delta: bool,
+    first: bool = False,
+) -> dict:
     if c.chat:
         body = {"content": text} if delta else {"role": "assistant", "content": text}
         if delta and first:

@@ -48,8 +48,11 @@ async def _ttft(http: aiohttp.ClientSession, model: str) -> float:
 
 def _summary(times: list[float]) -> dict:
     ordered = sorted(times)
-    return {"p50_ms": round(statistics.median(ordered) * 1e3, 2),
-            "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 2), "max_ms": round(ordered[-1] * 1e3, 2)}
+    return {
+        "p50_ms": round(statistics.median(ordered) * 1e3, 2),
+        "p90_ms": round(ordered[int(0.9 * (len(ordered) - 1))] * 1e3, 2),
+        "max_ms": round(ordered[-1] * 1e3, 2),
+    }
 
 
 async def _attack(base_url: str, bodies: list[bytes], rate: float, stop_after: float) -> tuple[int, list[int]]:
@@ -59,6 +62,7 @@ async def _attack(base_url: str, bodies: list[bytes], rate: float, stop_after: f
     headers = {"Content-Type": "application/json"}
     interval = len(bodies) / rate if rate else 0.0
     async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+
         async def loop(body: bytes) -> None:
             due = time.monotonic()
             while (now := time.monotonic()) < deadline:
@@ -100,10 +104,18 @@ async def measure(base_url: str, model: str, samples: int, attackers: int, rate:
         sent, statuses = await asyncio.to_thread(results.get)
         attack.join()
     q, a = _summary(quiet), _summary(attacked)
-    return {"quiet": q, "attacked": a, "p50_rise_ms": round(a["p50_ms"] - q["p50_ms"], 2),
-            "p90_rise_ms": round(a["p90_ms"] - q["p90_ms"], 2), "health_not_200": sum(s != 200 for s in health),
-            "health_polls": len(health), "attack_rate": rate, "attack_requests": sent, "attack_seconds": round(attack_s, 1),
-            "attack_statuses": statuses}
+    return {
+        "quiet": q,
+        "attacked": a,
+        "p50_rise_ms": round(a["p50_ms"] - q["p50_ms"], 2),
+        "p90_rise_ms": round(a["p90_ms"] - q["p90_ms"], 2),
+        "health_not_200": sum(s != 200 for s in health),
+        "health_polls": len(health),
+        "attack_rate": rate,
+        "attack_requests": sent,
+        "attack_seconds": round(attack_s, 1),
+        "attack_statuses": statuses,
+    }
 
 
 def _tree() -> str | None:
@@ -118,22 +130,29 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--samples", type=int, default=40, help="short requests timed in each phase")
     parser.add_argument("--attackers", type=int, default=4, help="clients sending huge prompts")
-    parser.add_argument("--rate", type=float, default=8.0, help="huge prompts a second, all clients together (0: a flood, "
-                                                                 "each client sending back to back)")
+    parser.add_argument(
+        "--rate", type=float, default=8.0, help="huge prompts a second, all clients together (0: a flood, each client sending back to back)"
+    )
     parser.add_argument("--prompt-mib", type=float, default=3.0)
     parser.add_argument("--out", help="append the result to this JSON list")
     args = parser.parse_args(argv)
     port = free_port()
     model_args = ["--model", args.model] if args.model else []
-    server = start_server([*model_args, "--served-model-name", "bench", "--port", str(port),
-                           "--api-workers", str(args.api_workers)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = start_server(
+        [*model_args, "--served-model-name", "bench", "--port", str(port), "--api-workers", str(args.api_workers)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        result = asyncio.run(measure(f"http://127.0.0.1:{port}", "bench", args.samples, args.attackers, args.rate,
-                                     args.prompt_mib))
+        result = asyncio.run(measure(f"http://127.0.0.1:{port}", "bench", args.samples, args.attackers, args.rate, args.prompt_mib))
     finally:
         stop_server(server)
-    result = {"command": " ".join(["python -m benchmarks.big_prompts", *(argv if argv is not None else sys.argv[1:])]),
-              "date": datetime.date.today().isoformat(), "tree": _tree(), **result}
+    result = {
+        "command": " ".join(["python -m benchmarks.big_prompts", *(argv if argv is not None else sys.argv[1:])]),
+        "date": datetime.date.today().isoformat(),
+        "tree": _tree(),
+        **result,
+    }
     if args.out:
         path = Path(args.out)
         runs = orjson.loads(path.read_bytes()) if path.exists() else []

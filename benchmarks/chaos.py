@@ -59,8 +59,14 @@ def _bodies(count: int, max_tokens: int, model: str = "chaos") -> list[dict]:
     rng = random.Random(0)
     bodies = []
     for i in range(count):
-        body = {"model": model, "prompt": [rng.randrange(PROMPT_VOCAB) for _ in range(rng.randint(4, 48))], "max_tokens": max_tokens,
-                "ignore_eos": True, "stream": True, "return_token_ids": True}
+        body = {
+            "model": model,
+            "prompt": [rng.randrange(PROMPT_VOCAB) for _ in range(rng.randint(4, 48))],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "return_token_ids": True,
+        }
         body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i})
         bodies.append(body)
     return bodies
@@ -70,8 +76,9 @@ class Server:
     def __init__(self, model: str, port: int, log: Path, extra: list[str]) -> None:
         self.port, self.base_url = port, f"http://127.0.0.1:{port}"
         with open(log, "wb") as out:
-            self.proc = start_server(["--model", model, "--served-model-name", "chaos", "--port", str(port), *extra],
-                                     stdout=out, stderr=subprocess.STDOUT)
+            self.proc = start_server(
+                ["--model", model, "--served-model-name", "chaos", "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT
+            )
         self.descendants: set[int] = set()
 
     def actors(self) -> dict[str, list[int]]:
@@ -107,6 +114,7 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
         def alive() -> int:
             count = 0
             for pid in self.descendants:
@@ -149,8 +157,9 @@ async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[S
     return await asyncio.gather(*(_stream(http, body, out) for body, out in zip(bodies, streams)))
 
 
-async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int,
-                       sig: signal.Signals, rng: random.Random) -> tuple[list[Stream], list[tuple[float, float]]]:
+async def _chaos_round(
+    server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int, sig: signal.Signals, rng: random.Random
+) -> tuple[list[Stream], list[tuple[float, float]]]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
     happened and when the supervisor had noticed it (the epoch moved on). Each kill comes after the
     previous one has recovered (the pipeline is healthy and a stream in flight has had a token since
@@ -182,8 +191,9 @@ async def _chaos_round(server: Server, http: aiohttp.ClientSession, bodies: list
 
 def _recovery_ms(streams: list[Stream], killed_at: float, noticed_at: float) -> float | None:
     """From a kill to the next token, after the restart began, of a stream in flight at the kill."""
-    nexts = [next(t for t in s.arrivals if t > noticed_at) for s in streams
-             if s.sent < killed_at and s.arrivals and s.arrivals[-1] > noticed_at]
+    nexts = [
+        next(t for t in s.arrivals if t > noticed_at) for s in streams if s.sent < killed_at and s.arrivals and s.arrivals[-1] > noticed_at
+    ]
     return (min(nexts) - killed_at) * 1e3 if nexts else None
 
 
@@ -197,8 +207,16 @@ async def run(args: argparse.Namespace) -> dict:
     # float32 unless told otherwise: a replayed stream runs in other batches than its reference, and
     # only fp32 keeps batch-shape rounding below what flips a greedy or seeded draw
     dtype = [] if "--dtype" in args.serve_args else ["--dtype", "float32"]
-    extra = ["--api-workers", str(args.api_workers), "--hang-timeout", str(args.hang_timeout),
-             "--watchdog-timeout", str(args.hang_timeout), *dtype, *args.serve_args]
+    extra = [
+        "--api-workers",
+        str(args.api_workers),
+        "--hang-timeout",
+        str(args.hang_timeout),
+        "--watchdog-timeout",
+        str(args.hang_timeout),
+        *dtype,
+        *args.serve_args,
+    ]
     server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
     rng = random.Random(args.seed)
     summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "recovery_ms": {}}
@@ -231,8 +249,9 @@ async def run(args: argparse.Namespace) -> dict:
                     await wait_healthy(http, 120)
                 summary["kills"][kind] = done
                 recoveries += kind_recoveries
-                summary["recovery_ms"][kind] = [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] \
-                    if kind_recoveries else None
+                summary["recovery_ms"][kind] = (
+                    [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] if kind_recoveries else None
+                )
             for _ in range(100):  # the last aborts and finishes settle
                 async with http.get("/server_info") as reply:
                     if (leaked := _leaked_pages(await reply.json())) >= 0:

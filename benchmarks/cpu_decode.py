@@ -61,8 +61,18 @@ def main(argv: list[str] | None = None) -> dict:
 
     from runtime.models.cpu_linears import cpuinfo
 
-    child = [sys.executable, "-m", "benchmarks.cpu_decode", "--side", "--tokens", str(args.tokens),
-             "--short", str(args.short), "--long", str(args.long)]
+    child = [
+        sys.executable,
+        "-m",
+        "benchmarks.cpu_decode",
+        "--side",
+        "--tokens",
+        str(args.tokens),
+        "--short",
+        str(args.short),
+        "--long",
+        str(args.long),
+    ]
     rounds: dict[str, list[dict]] = {"kernels": [], "torch": []}
     for r in range(args.rounds):
         order = ("kernels", "torch") if r % 2 == 0 else ("torch", "kernels")
@@ -73,14 +83,18 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"round {r + 1} {name}: ms per decode step {rounds[name][-1]}", flush=True)
     best = {name: {size: min(r[size] for r in runs) for size in ("short", "long")} for name, runs in rounds.items()}
     result = {
-        "ms_per_step": best, "speedup": {size: round(best["torch"][size] / best["kernels"][size], 2) for size in ("short", "long")},
-        "rounds": rounds, "sequences": SEQUENCES, "prompt_tokens": {"short": args.short, "long": args.long},
+        "ms_per_step": best,
+        "speedup": {size: round(best["torch"][size] / best["kernels"][size], 2) for size in ("short", "long")},
+        "rounds": rounds,
+        "sequences": SEQUENCES,
+        "prompt_tokens": {"short": args.short, "long": args.long},
         "command": " ".join(["python -m benchmarks.cpu_decode", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(), "cpu_model": cpuinfo("model name"), "cpu_count": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        "cpu_model": cpuinfo("model name"),
+        "cpu_count": os.cpu_count(),
     }
     for size in ("short", "long"):
-        print(f"{size}: {best['kernels'][size]} ms with the kernels, {best['torch'][size]} ms without: "
-              f"{result['speedup'][size]}x")
+        print(f"{size}: {best['kernels'][size]} ms with the kernels, {best['torch'][size]} ms without: {result['speedup'][size]}x")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
     return result

@@ -42,8 +42,9 @@ SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three s
 # own, gave 991, 1,110 and 1,074 tok/s (Qwen3-0.6B through the pipeline, benchmarks/results/h200-probe-session14.log)
 
 
-def workload(count: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024),
-             seed: int = 0) -> tuple[list[list[int]], list[int]]:
+def workload(
+    count: int, input_len: tuple[int, int] = (100, 1024), output_len: tuple[int, int] = (100, 1024), seed: int = 0
+) -> tuple[list[list[int]], list[int]]:
     """mini-sglang's own sample, so its published figures and these run the same requests: its
     benchmark/offline/bench.py draws from Python's random (seed 0) each prompt's length and then its
     ids over Qwen3's vocabulary, then every output length. The ids are folded below 10,000 after
@@ -66,14 +67,22 @@ def versions() -> dict[str, str]:
 
 
 def engine_options(args: argparse.Namespace) -> dict:
-    return {"device": args.device, "attention_backend": args.attention_backend, "page_size": args.page_size,
-            "max_running_requests": args.max_running_requests, "max_prefill_tokens": args.max_prefill_tokens,
-            "cuda_graph_max_bs": args.cuda_graph_max_bs, "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
-            "mem_fraction": args.mem_fraction, "mixed_chunk": args.enable_mixed_chunk}
+    return {
+        "device": args.device,
+        "attention_backend": args.attention_backend,
+        "page_size": args.page_size,
+        "max_running_requests": args.max_running_requests,
+        "max_prefill_tokens": args.max_prefill_tokens,
+        "cuda_graph_max_bs": args.cuda_graph_max_bs,
+        "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
+        "mem_fraction": args.mem_fraction,
+        "mixed_chunk": args.enable_mixed_chunk,
+    }
 
 
-def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int],
-                   single: list[int] | None) -> dict[str, list[float]]:
+def run_in_process(
+    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+) -> dict[str, list[float]]:
     import torch
 
     from runtime import LLM, SamplingParams
@@ -97,26 +106,26 @@ def run_in_process(args: argparse.Namespace, prompts: list[list[int]], lengths: 
         llm.flush_cache()
         figures["offline"].append(timed(prompts, params))
     if single:
-        figures["single"] = [timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)])
-                             for _ in range(SINGLE_REPEATS)]
+        figures["single"] = [
+            timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)]) for _ in range(SINGLE_REPEATS)
+        ]
     return figures
 
 
-async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int],
-                 single: list[int] | None) -> dict[str, list[float]]:
+async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: list[int] | None) -> dict[str, list[float]]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
     prefilled half of them.)"""
     import aiohttp
 
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=3600)) as http:
+    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)) as http:
         await wait_healthy(http, 900)  # start-up loads weights and captures CUDA graphs
 
         def body(ids: list[int], max_tokens: int, temperature: float, seed: int) -> bytes:
-            return orjson.dumps({"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": temperature,
-                                 "ignore_eos": True, "seed": seed})
+            return orjson.dumps(
+                {"model": "bench", "prompt": ids, "max_tokens": max_tokens, "temperature": temperature, "ignore_eos": True, "seed": seed}
+            )
 
         async def complete(request: bytes) -> int:
             async with http.post("/v1/completions", data=request, headers={"Content-Type": "application/json"}) as reply:
@@ -142,15 +151,26 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int],
         return figures
 
 
-def run_pipeline(args: argparse.Namespace, prompts: list[list[int]], lengths: list[int],
-                 single: list[int] | None) -> dict[str, list[float]]:
+def run_pipeline(
+    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+) -> dict[str, list[float]]:
     port = free_port()
     options = engine_options(args)
-    server = start_server(["--model", str(args.model), "--served-model-name", "bench", "--dummy-weights", "--port", str(port),
-                           "--api-workers", str(args.api_workers),
-                           *(f"--{key.replace('_', '-')}={value}" for key, value in options.items()
-                             if key != "mixed_chunk" and value is not None),
-                           *(["--enable-mixed-chunk"] if options["mixed_chunk"] else [])])
+    server = start_server(
+        [
+            "--model",
+            str(args.model),
+            "--served-model-name",
+            "bench",
+            "--dummy-weights",
+            "--port",
+            str(port),
+            "--api-workers",
+            str(args.api_workers),
+            *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "mixed_chunk" and value is not None),
+            *(["--enable-mixed-chunk"] if options["mixed_chunk"] else []),
+        ]
+    )
     try:
         return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, single))
     finally:
@@ -190,10 +210,22 @@ def main(argv: list[str] | None = None) -> None:
     figure = {"offline": max, "single": statistics.median}
     config = EngineConfig(**engine_options(args))  # the device's defaults filled in, as the runs used them
     resolved = {key: getattr(config, key) for key in engine_options(args)}
-    runs = [{"model": Path(args.model).name, "mode": mode, "workload": name, "tok_per_s": round(figure[name](values), 1),
-             **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}), **sizes[name],
-             "command": command, "date": datetime.date.today().isoformat(), **resolved,
-             "gpu": _device_name(args.device), "versions": versions()} for name, values in figures.items()]
+    runs = [
+        {
+            "model": Path(args.model).name,
+            "mode": mode,
+            "workload": name,
+            "tok_per_s": round(figure[name](values), 1),
+            **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}),
+            **sizes[name],
+            "command": command,
+            "date": datetime.date.today().isoformat(),
+            **resolved,
+            "gpu": _device_name(args.device),
+            "versions": versions(),
+        }
+        for name, values in figures.items()
+    ]
     for run in runs:
         print(f"{run['model']} {mode} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")
     previous = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []

@@ -38,8 +38,12 @@ from runtime.models.source import load_tokenizer, resolve_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 SLOS = ("ttft", "tpot", "e2el")
-METRICS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
-           ("itl", "ITL", "Inter-token Latency"), ("e2el", "E2EL", "End-to-end Latency"))
+METRICS = (
+    ("ttft", "TTFT", "Time to First Token"),
+    ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),
+    ("itl", "ITL", "Inter-token Latency"),
+    ("e2el", "E2EL", "End-to-end Latency"),
+)
 
 
 @dataclass(frozen=True)
@@ -97,8 +101,7 @@ def make_prompts(args: argparse.Namespace, tokenizer) -> list[Prompt]:
     count = lambda text: len(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
     if args.dataset_name == "jsonl":
         rows = [orjson.loads(line) for line in args.dataset_path.read_text().splitlines() if line.strip()]
-        return [Prompt(r["prompt"], count(r["prompt"]), int(r.get("output_len", args.random_output_len)))
-                for r in rows[: args.num_prompts]]
+        return [Prompt(r["prompt"], count(r["prompt"]), int(r.get("output_len", args.random_output_len))) for r in rows[: args.num_prompts]]
     rng = np.random.default_rng(args.seed)
     allowed = np.setdiff1d(np.arange(tokenizer.vocab_size), tokenizer.all_special_ids)
     inputs = lengths(rng, args.num_prompts, args.random_input_len, args.random_range_ratio)
@@ -167,8 +170,13 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, chat: bool, ou
 
 
 def request_body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict:
-    body = {"model": model, "max_tokens": prompt.output_len, "temperature": args.temperature, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": model,
+        "max_tokens": prompt.output_len,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.ignore_eos:
         body["ignore_eos"] = True
     if args.endpoint == "chat":
@@ -196,9 +204,11 @@ def server_counts(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the server counted between two scrapes, under the harness's names."""
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
     ttft_count = delta("vllm:time_to_first_token_seconds_count")
-    return {"server_completed": int(delta("vllm:request_success_total")),
-            "server_output_tokens": int(delta("vllm:generation_tokens_total")),
-            "server_mean_ttft_ms": delta("vllm:time_to_first_token_seconds_sum") / ttft_count * 1000 if ttft_count else None}
+    return {
+        "server_completed": int(delta("vllm:request_success_total")),
+        "server_output_tokens": int(delta("vllm:generation_tokens_total")),
+        "server_mean_ttft_ms": delta("vllm:time_to_first_token_seconds_sum") / ttft_count * 1000 if ttft_count else None,
+    }
 
 
 async def first_model(http: aiohttp.ClientSession, base_url: str) -> str:
@@ -214,23 +224,45 @@ def summarize(outcomes: list[Outcome], duration: float, goodput: dict[str, float
     """vLLM's figures: throughputs over the whole run; latency statistics over completed requests."""
     done = [o for o in outcomes if o.ok]
     total_in, total_out = sum(o.input_len for o in done), sum(o.output_len for o in done)
-    result = {"duration": duration, "completed": len(done), "failed": len(outcomes) - len(done),
-              "total_input_tokens": total_in, "total_output_tokens": total_out,
-              "request_throughput": len(done) / duration, "output_throughput": total_out / duration,
-              "total_token_throughput": (total_in + total_out) / duration}
+    result = {
+        "duration": duration,
+        "completed": len(done),
+        "failed": len(outcomes) - len(done),
+        "total_input_tokens": total_in,
+        "total_output_tokens": total_out,
+        "request_throughput": len(done) / duration,
+        "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+    }
     if goodput:
         good = sum(all(getattr(o, name) <= ms / 1000 for name, ms in goodput.items()) for o in done)
         result["request_goodput"] = good / duration
-    samples = {"ttft": [o.ttft for o in done], "tpot": [o.tpot for o in done if o.output_len > 1],
-               "itl": [gap for o in done for gap in o.itl], "e2el": [o.e2el for o in done]}
+    samples = {
+        "ttft": [o.ttft for o in done],
+        "tpot": [o.tpot for o in done if o.output_len > 1],
+        "itl": [gap for o in done for gap in o.itl],
+        "e2el": [o.e2el for o in done],
+    }
     for name, values in samples.items():
         ms = np.asarray(values or [0.0]) * 1000
-        result.update({f"mean_{name}_ms": float(ms.mean()), f"median_{name}_ms": float(np.median(ms)),
-                       f"std_{name}_ms": float(ms.std()), f"p99_{name}_ms": float(np.percentile(ms, 99))})
-    return result | {"input_lens": [o.input_len for o in outcomes], "output_lens": [o.output_len for o in outcomes],
-                     "start_times": [o.start for o in outcomes], "ttfts": [o.ttft for o in outcomes], "itls": [o.itl for o in outcomes],
-                     "e2els": [o.e2el for o in outcomes], "generated_texts": [o.text for o in outcomes],
-                     "errors": [o.error for o in outcomes]}
+        result.update(
+            {
+                f"mean_{name}_ms": float(ms.mean()),
+                f"median_{name}_ms": float(np.median(ms)),
+                f"std_{name}_ms": float(ms.std()),
+                f"p99_{name}_ms": float(np.percentile(ms, 99)),
+            }
+        )
+    return result | {
+        "input_lens": [o.input_len for o in outcomes],
+        "output_lens": [o.output_len for o in outcomes],
+        "start_times": [o.start for o in outcomes],
+        "ttfts": [o.ttft for o in outcomes],
+        "itls": [o.itl for o in outcomes],
+        "e2els": [o.e2el for o in outcomes],
+        "generated_texts": [o.text for o in outcomes],
+        "errors": [o.error for o in outcomes],
+    }
 
 
 async def run_benchmark(args: argparse.Namespace) -> dict:
@@ -242,8 +274,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     base_url = args.base_url.rstrip("/")
     url = base_url + ENDPOINTS[args.endpoint]
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=6 * 3600)) as http:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=6 * 3600)) as http:
         model = args.model or await first_model(http, base_url)
         before = await scrape(http, base_url)
         progress = tqdm(total=len(prompts), disable=args.disable_tqdm)
@@ -261,38 +292,63 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         progress.close()
         after = await scrape(http, base_url) if before is not None else None
     rate = args.request_rate if math.isfinite(args.request_rate) else "inf"
-    return {"date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"), "backend": "ringllm", "model_id": model,
-            "tokenizer_id": args.tokenizer or str(tokenizer_dir), "endpoint": ENDPOINTS[args.endpoint],
-            "dataset_name": args.dataset_name, "num_prompts": len(prompts), "request_rate": rate,
-            "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "command": args.command,
-            **(server_counts(before, after) if after is not None else {}),
-            **summarize(outcomes, duration, dict(args.goodput or []))}
+    return {
+        "date": datetime.datetime.now().strftime("%Y%m%d-%H%M%S"),
+        "backend": "ringllm",
+        "model_id": model,
+        "tokenizer_id": args.tokenizer or str(tokenizer_dir),
+        "endpoint": ENDPOINTS[args.endpoint],
+        "dataset_name": args.dataset_name,
+        "num_prompts": len(prompts),
+        "request_rate": rate,
+        "burstiness": args.burstiness,
+        "max_concurrency": args.max_concurrency,
+        "command": args.command,
+        **(server_counts(before, after) if after is not None else {}),
+        **summarize(outcomes, duration, dict(args.goodput or [])),
+    }
 
 
 def report(result: dict) -> str:
     """vLLM's printed block."""
+
     def row(label: str, value: int | float) -> str:
         return (f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}").rstrip()
 
-    lines = [f"{' Serving Benchmark Result ':=^50}", row("Successful requests:", result["completed"]),
-             row("Failed requests:", result["failed"])]
+    lines = [
+        f"{' Serving Benchmark Result ':=^50}",
+        row("Successful requests:", result["completed"]),
+        row("Failed requests:", result["failed"]),
+    ]
     if result["max_concurrency"]:
         lines.append(row("Maximum request concurrency:", result["max_concurrency"]))
     if result["request_rate"] != "inf":
         lines.append(row("Request rate configured (RPS):", float(result["request_rate"])))
-    lines += [row("Benchmark duration (s):", result["duration"]), row("Total input tokens:", result["total_input_tokens"]),
-              row("Total generated tokens:", result["total_output_tokens"]),
-              row("Request throughput (req/s):", result["request_throughput"])]
+    lines += [
+        row("Benchmark duration (s):", result["duration"]),
+        row("Total input tokens:", result["total_input_tokens"]),
+        row("Total generated tokens:", result["total_output_tokens"]),
+        row("Request throughput (req/s):", result["request_throughput"]),
+    ]
     if "request_goodput" in result:
         lines.append(row("Request goodput (req/s):", result["request_goodput"]))
-    lines += [row("Output token throughput (tok/s):", result["output_throughput"]),
-              row("Total Token throughput (tok/s):", result["total_token_throughput"])]
+    lines += [
+        row("Output token throughput (tok/s):", result["output_throughput"]),
+        row("Total Token throughput (tok/s):", result["total_token_throughput"]),
+    ]
     for key, name, header in METRICS:
-        lines += [f"{header:-^50}", row(f"Mean {name} (ms):", result[f"mean_{key}_ms"]),
-                  row(f"Median {name} (ms):", result[f"median_{key}_ms"]), row(f"P99 {name} (ms):", result[f"p99_{key}_ms"])]
+        lines += [
+            f"{header:-^50}",
+            row(f"Mean {name} (ms):", result[f"mean_{key}_ms"]),
+            row(f"Median {name} (ms):", result[f"median_{key}_ms"]),
+            row(f"P99 {name} (ms):", result[f"p99_{key}_ms"]),
+        ]
     if "server_completed" in result:
-        lines += [f"{' Server /metrics over the run ':-^50}", row("Requests finished:", result["server_completed"]),
-                  row("Generated tokens:", result["server_output_tokens"])]
+        lines += [
+            f"{' Server /metrics over the run ':-^50}",
+            row("Requests finished:", result["server_completed"]),
+            row("Generated tokens:", result["server_output_tokens"]),
+        ]
         if result["server_mean_ttft_ms"] is not None:
             lines.append(row("Mean TTFT (ms):", result["server_mean_ttft_ms"]))
     return "\n".join([*lines, "=" * 50])
@@ -316,39 +372,74 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="ringllm bench serve", description=__doc__.split("\n\n")[0])
     p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
-    p.add_argument("--endpoint", default="completions", choices=list(ENDPOINTS),
-                   type=lambda s: {path: name for name, path in ENDPOINTS.items()}.get(s, s),
-                   help="completions or chat (or their paths, /v1/completions and /v1/chat/completions)")
+    p.add_argument(
+        "--endpoint",
+        default="completions",
+        choices=list(ENDPOINTS),
+        type=lambda s: {path: name for name, path in ENDPOINTS.items()}.get(s, s),
+        help="completions or chat (or their paths, /v1/completions and /v1/chat/completions)",
+    )
     p.add_argument("--model", help="the model name to send (default: the first of GET /v1/models)")
-    p.add_argument("--tokenizer", help="folder or hub id of the tokenizer that makes and counts prompts (default: the "
-                                       "default model's, SmolLM2-135M-Instruct; the client cannot see the server's folder)")
-    p.add_argument("--dataset-name", default="random", choices=["random", "shared-prefix", "jsonl"],
-                   help="random: random tokens as text; shared-prefix: as random, each prompt after its group's random "
-                        "prefix (sglang's generated-shared-prefix); jsonl: --dataset-path")
-    p.add_argument("--dataset-path", type=Path, help='JSONL, one {"prompt": str, "output_len": int (optional, default '
-                                                     '--random-output-len)} a line; the first --num-prompts lines are sent')
+    p.add_argument(
+        "--tokenizer",
+        help="folder or hub id of the tokenizer that makes and counts prompts (default: the "
+        "default model's, SmolLM2-135M-Instruct; the client cannot see the server's folder)",
+    )
+    p.add_argument(
+        "--dataset-name",
+        default="random",
+        choices=["random", "shared-prefix", "jsonl"],
+        help="random: random tokens as text; shared-prefix: as random, each prompt after its group's random "
+        "prefix (sglang's generated-shared-prefix); jsonl: --dataset-path",
+    )
+    p.add_argument(
+        "--dataset-path",
+        type=Path,
+        help='JSONL, one {"prompt": str, "output_len": int (optional, default '
+        "--random-output-len)} a line; the first --num-prompts lines are sent",
+    )
     p.add_argument("--num-prompts", type=int, default=64, help="(default: 64; vLLM's: 1000)")
-    p.add_argument("--random-input-len", type=int, default=128,
-                   help="prompt tokens, after the prefix with shared-prefix (default: 128, and 32 out: the default 135M model "
-                        "on 2 CPU cores serves 4 requests/s of that without a growing queue; vLLM's 1024 and 128 saturate it "
-                        "below 1 request/s and take minutes)")
+    p.add_argument(
+        "--random-input-len",
+        type=int,
+        default=128,
+        help="prompt tokens, after the prefix with shared-prefix (default: 128, and 32 out: the default 135M model "
+        "on 2 CPU cores serves 4 requests/s of that without a growing queue; vLLM's 1024 and 128 saturate it "
+        "below 1 request/s and take minutes)",
+    )
     p.add_argument("--random-output-len", type=int, default=32, help="max_tokens (default: 32)")
-    p.add_argument("--random-range-ratio", type=float, default=0.0,
-                   help="vLLM's: lengths uniform over the integers in [floor(L*(1-R)), ceil(L*(1+R))], 0 <= R < 1")
+    p.add_argument(
+        "--random-range-ratio",
+        type=float,
+        default=0.0,
+        help="vLLM's: lengths uniform over the integers in [floor(L*(1-R)), ceil(L*(1+R))], 0 <= R < 1",
+    )
     p.add_argument("--shared-prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix")
     p.add_argument("--shared-prefix-groups", type=int, default=4, help="shared-prefix: prompt i is in group i mod this")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos, so every request makes its output length")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: inf, all at once)")
-    p.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape of the gaps between arrivals (mean 1/rate): 1 is Poisson, below 1 burstier, above 1 steadier")
+    p.add_argument(
+        "--burstiness",
+        type=float,
+        default=1.0,
+        help="gamma shape of the gaps between arrivals (mean 1/rate): 1 is Poisson, below 1 burstier, above 1 steadier",
+    )
     p.add_argument("--max-concurrency", type=int, help="at most this many requests in flight (a client-side semaphore)")
-    p.add_argument("--goodput", nargs="+", type=slo, metavar="NAME:MS",
-                   help="SLOs among ttft, tpot, e2el in ms; goodput counts the requests meeting all of them per second")
+    p.add_argument(
+        "--goodput",
+        nargs="+",
+        type=slo,
+        metavar="NAME:MS",
+        help="SLOs among ttft, tpot, e2el in ms; goodput counts the requests meeting all of them per second",
+    )
     p.add_argument("--save-result", action="store_true", help="write the result as JSON (vLLM's keys)")
-    p.add_argument("--result-file", "--result-filename",
-                   help="the JSON's name (implies --save-result; default: ringllm-RATEqps[-concurrencyN]-MODEL-DATE.json)")
+    p.add_argument(
+        "--result-file",
+        "--result-filename",
+        help="the JSON's name (implies --save-result; default: ringllm-RATEqps[-concurrencyN]-MODEL-DATE.json)",
+    )
     p.add_argument("--result-dir", help="where the JSON goes (default: the current directory)")
     p.add_argument("--disable-tqdm", action="store_true")
     args = p.parse_args(argv)

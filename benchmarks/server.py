@@ -27,8 +27,9 @@ def stop_with_parent() -> None:
 
 def start_server(args: list[str], **popen) -> subprocess.Popen:
     """`ringllm serve ARGS` in its own session (a terminal's Ctrl-C is the benchmark's to handle)."""
-    return subprocess.Popen([sys.executable, "-m", "actors.cli", "serve", *args], start_new_session=True,
-                            preexec_fn=stop_with_parent, **popen)
+    return subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "serve", *args], start_new_session=True, preexec_fn=stop_with_parent, **popen
+    )
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:

@@ -58,11 +58,13 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "vs-hf-cpu.json"
 SIZES = {"short": 16, "medium": 128, "long": 512}  # user-message tokens
 CONCURRENCY = 4
 WARMUP_TOKENS = 8
-WORDS = ("time year people way day man thing woman life child world school state family student group country problem "
-         "hand part place case week company system program question work government number night point home water room "
-         "mother area money story fact month lot right study book eye job word business issue side kind head house "
-         "service friend father power hour game line end member law car city community name president team minute idea "
-         "kid body information back parent face others level office door health person art war history party result").split()
+WORDS = (
+    "time year people way day man thing woman life child world school state family student group country problem "
+    "hand part place case week company system program question work government number night point home water room "
+    "mother area money story fact month lot right study book eye job word business issue side kind head house "
+    "service friend father power hour game line end member law car city community name president team minute idea "
+    "kid body information back parent face others level office door health person art war history party result"
+).split()
 
 Messages = list[dict[str, str]]
 OneRequest = Callable[[Messages, int], Awaitable[tuple[int, int]]]  # -> (prompt tokens, generated tokens)
@@ -113,17 +115,34 @@ def summary(rounds: list[dict]) -> dict:
     def figure(tokens: int, seconds: float) -> float:
         return round(tokens / seconds, 2)
 
-    per_size = {size: {"mean_prompt_tokens": statistics.mean(r[size][0] for r in rounds),
-                       "tok_per_s": statistics.median(figure(*r[size][1:]) for r in rounds)} for size in SIZES}
+    per_size = {
+        size: {
+            "mean_prompt_tokens": statistics.mean(r[size][0] for r in rounds),
+            "tok_per_s": statistics.median(figure(*r[size][1:]) for r in rounds),
+        }
+        for size in SIZES
+    }
     totals = [figure(sum(r[s][1] for s in SIZES), sum(r[s][2] for s in SIZES)) for r in rounds]
-    return {"tok_per_s": statistics.median(totals), "repeats_tok_per_s": totals, "per_size": per_size,
-            "generated_tokens": [sum(r[s][1] for s in SIZES) for r in rounds]}
+    return {
+        "tok_per_s": statistics.median(totals),
+        "repeats_tok_per_s": totals,
+        "per_size": per_size,
+        "generated_tokens": [sum(r[s][1] for s in SIZES) for r in rounds],
+    }
 
 
 def ringllm_request(http: aiohttp.ClientSession) -> OneRequest:
     async def one(messages: Messages, max_tokens: int) -> tuple[int, int]:
-        body = {"model": "bench", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
-                "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+        body = {
+            "model": "bench",
+            "messages": messages,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "return_token_ids": True,
+        }
         generated, prompt_tokens = 0, 0
         async with http.post("/v1/chat/completions", json=body) as reply:
             if reply.status != 200:
@@ -149,15 +168,15 @@ def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
 
     def generate(messages: Messages, max_tokens: int) -> tuple[int, int]:
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
-                                               return_dict=True).to(device)
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(device)
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         result: dict = {}
 
         def work() -> None:
             try:
-                result["ids"] = model.generate(**inputs, streamer=streamer, max_new_tokens=max_tokens,
-                                               min_new_tokens=max_tokens, do_sample=False)
+                result["ids"] = model.generate(
+                    **inputs, streamer=streamer, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
+                )
             except BaseException as exc:
                 result["error"] = exc
                 streamer.end()
@@ -179,8 +198,7 @@ def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) 
 
 
 async def both_sides(base_url: str, model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, dict]:
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0),
-                                     timeout=aiohttp.ClientTimeout(total=1800)) as http:
+    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1800)) as http:
         await wait_healthy(http, 300)
         return await measure({"ringllm": ringllm_request(http), "hf": hf_request(model_dir, tokenizer, args)}, tokenizer, args)
 
@@ -194,8 +212,22 @@ def run(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict
     log = Path(tempfile.mkdtemp(prefix="ringllm-vs-hf-")) / "serve.log"
     print(f"ringllm: serving on port {port}, log {log}", flush=True)
     with open(log, "wb") as out:
-        server = start_server(["--model", str(model_dir), "--served-model-name", "bench", "--port", str(port),
-                               "--device", args.device, "--dtype", args.dtype], stdout=out, stderr=subprocess.STDOUT)
+        server = start_server(
+            [
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                "bench",
+                "--port",
+                str(port),
+                "--device",
+                args.device,
+                "--dtype",
+                args.dtype,
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         figures = asyncio.run(both_sides(f"http://127.0.0.1:{port}", model_dir, tokenizer, args))
     finally:
@@ -208,7 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.vs_hf", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto", help="as `ringllm serve --dtype`: auto is bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32")
+    parser.add_argument(
+        "--dtype", default="auto", help="as `ringllm serve --dtype`: auto is bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32"
+    )
     parser.add_argument("--requests", type=int, default=8, help="requests per prompt size")
     parser.add_argument("--max-tokens", type=int, default=128, help="tokens generated by every request")
     parser.add_argument("--repeats", type=int, default=3)
@@ -230,15 +264,30 @@ def main(argv: list[str] | None = None) -> dict:
     figures = run(model_dir, tokenizer, args)
     ringllm, hf = figures["ringllm"], figures["hf"]
     result = {
-        "speedup": round(ringllm["tok_per_s"] / hf["tok_per_s"], 2), "ringllm_tok_per_s": ringllm["tok_per_s"],
-        "hf_tok_per_s": hf["tok_per_s"], "model": model_dir.name,
+        "speedup": round(ringllm["tok_per_s"] / hf["tok_per_s"], 2),
+        "ringllm_tok_per_s": ringllm["tok_per_s"],
+        "hf_tok_per_s": hf["tok_per_s"],
+        "model": model_dir.name,
         "command": " ".join(["python -m benchmarks.vs_hf", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(), "device": args.device, "dtype": args.dtype, "cpu_count": os.cpu_count(),
+        "date": datetime.date.today().isoformat(),
+        "device": args.device,
+        "dtype": args.dtype,
+        "cpu_count": os.cpu_count(),
         # the ratio moves with the processor: 4.99x on a Sapphire Rapids (bf16 on AMX), 2.90x on an AVX2-only EPYC (fp32)
-        "cpu_model": cpuinfo("model name"), "resolved_dtype": str(resolve_dtype(args.dtype, torch.device(args.device))),
-        "workload": {"concurrency": CONCURRENCY, "user_prompt_tokens": SIZES, "requests_per_size": args.requests,
-                     "max_tokens": args.max_tokens, "repeats": args.repeats, "figure": "median of repeats"},
-        "ringllm": ringllm, "hf": hf, "bench_seconds": round(time.monotonic() - started, 1), "versions": versions(),
+        "cpu_model": cpuinfo("model name"),
+        "resolved_dtype": str(resolve_dtype(args.dtype, torch.device(args.device))),
+        "workload": {
+            "concurrency": CONCURRENCY,
+            "user_prompt_tokens": SIZES,
+            "requests_per_size": args.requests,
+            "max_tokens": args.max_tokens,
+            "repeats": args.repeats,
+            "figure": "median of repeats",
+        },
+        "ringllm": ringllm,
+        "hf": hf,
+        "bench_seconds": round(time.monotonic() - started, 1),
+        "versions": versions(),
     }
     print(f"{'':8}{'ringllm tok/s':>15}{'HF tok/s':>11}{'ratio':>8}")
     for size in SIZES:

@@ -87,8 +87,11 @@ def device_defaults(device: str) -> dict[str, Any]:
     """Defaults by device: on CPU a large prefill chunk stalls every decode, and a launch computes its step,
     so a third step in flight only queues; on CUDA it keeps the device fed while results cross processes."""
     cuda = device.startswith("cuda")
-    return {"max_prefill_tokens": 8192 if cuda else 512, "attention_backend": "flashinfer" if cuda else "torch",
-            "steps_in_flight": 3 if cuda else 2}
+    return {
+        "max_prefill_tokens": 8192 if cuda else 512,
+        "attention_backend": "flashinfer" if cuda else "torch",
+        "steps_in_flight": 3 if cuda else 2,
+    }
 
 
 @dataclass(frozen=True)
@@ -117,8 +120,15 @@ class EngineConfig:
                 object.__setattr__(self, name, value)
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, not {self.attention_backend!r}")
-        at_least = {"page_size": 1, "max_prefill_tokens": 1, "max_running_requests": 1, "num_pages": 1,
-                    "cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0, "steps_in_flight": 1}
+        at_least = {
+            "page_size": 1,
+            "max_prefill_tokens": 1,
+            "max_running_requests": 1,
+            "num_pages": 1,
+            "cuda_graph_max_bs": 0,
+            "cuda_graph_max_prefill_tokens": 0,
+            "steps_in_flight": 1,
+        }
         for name, least in at_least.items():
             value = getattr(self, name)
             if value is not None and value < least:

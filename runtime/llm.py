@@ -76,4 +76,3 @@ class LLM:
 
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
-

@@ -134,7 +134,11 @@ def start_supervisor(server: str, tmp_path: Path, monkeypatch) -> Iterator[Calla
         with open(log, "wb") as out:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "actors.supervisor", topology, "--port", server, *args],
-                cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, env=os.environ.copy(), preexec_fn=stop_with_parent,
+                cwd=ROOT,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=os.environ.copy(),
+                preexec_fn=stop_with_parent,
             )
         running = RunningSupervisor(server, proc, log)
         started.append(running)
@@ -229,9 +233,23 @@ def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Serv
         args = (*args, "--dtype", "float32")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "actors.cli", "serve", "--model", str(model_dir), "--served-model-name", model,
-             "--port", str(port), *args],
-            cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, preexec_fn=stop_with_parent,
+            [
+                sys.executable,
+                "-m",
+                "actors.cli",
+                "serve",
+                "--model",
+                str(model_dir),
+                "--served-model-name",
+                model,
+                "--port",
+                str(port),
+                *args,
+            ],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            preexec_fn=stop_with_parent,
         )
     server = Server(port, model, proc, log)
     try:

@@ -74,22 +74,44 @@ ENDPOINTS = {"chat": (CHAT, chat), "completions": (COMPLETIONS, completion)}
 
 # Fields both endpoints validate alike: (id, field, bad value).
 SHARED: list[tuple[str, str, Any]] = [
-    ("max_tokens-negative", "max_tokens", -1), ("max_tokens-zero", "max_tokens", 0),
-    ("max_tokens-string", "max_tokens", "16"), ("max_tokens-float", "max_tokens", 1.5),
-    ("max_tokens-bool", "max_tokens", True), ("max_tokens-huge", "max_tokens", 10**9),
-    ("n-zero", "n", 0), ("n-negative", "n", -1), ("n-huge", "n", 1000), ("n-string", "n", "2"),
-    ("temperature-negative", "temperature", -0.5), ("temperature-over-2", "temperature", 2.5),
-    ("temperature-string", "temperature", "hot"), ("top_p-zero", "top_p", 0), ("top_p-over-1", "top_p", 1.5),
-    ("top_k-minus-5", "top_k", -5), ("top_k-float", "top_k", 1.5), ("min_p-2", "min_p", 2),
-    ("presence_penalty-5", "presence_penalty", 5), ("frequency_penalty-minus-3", "frequency_penalty", -3),
-    ("repetition_penalty-zero", "repetition_penalty", 0), ("seed-string", "seed", "42"),
-    ("seed-over-64-bits", "seed", 2**64 - 1), ("stop-number", "stop", 5), ("stop-list-with-number", "stop", ["a", 5]),
-    ("stop-empty-string", "stop", [""]), ("stop-20-strings", "stop", [f"s{i}" for i in range(20)]),
-    ("stop_token_ids-not-list", "stop_token_ids", 5), ("stop_token_ids-strings", "stop_token_ids", ["a"]),
-    ("stop_token_ids-negative", "stop_token_ids", [2, -1]), ("stop_token_ids-vocab-size", "stop_token_ids", [VOCAB]),
-    ("stop_token_ids-257", "stop_token_ids", list(range(257))), ("stop-257-chars", "stop", ["x" * 257]),
-    ("stream-string", "stream", "yes"), ("stream_options-without-stream", "stream_options", {"include_usage": True}),
-    ("ignore_eos-string", "ignore_eos", "yes"), ("model-wrong-type", "model", 5), ("model-missing", "model", DROP),
+    ("max_tokens-negative", "max_tokens", -1),
+    ("max_tokens-zero", "max_tokens", 0),
+    ("max_tokens-string", "max_tokens", "16"),
+    ("max_tokens-float", "max_tokens", 1.5),
+    ("max_tokens-bool", "max_tokens", True),
+    ("max_tokens-huge", "max_tokens", 10**9),
+    ("n-zero", "n", 0),
+    ("n-negative", "n", -1),
+    ("n-huge", "n", 1000),
+    ("n-string", "n", "2"),
+    ("temperature-negative", "temperature", -0.5),
+    ("temperature-over-2", "temperature", 2.5),
+    ("temperature-string", "temperature", "hot"),
+    ("top_p-zero", "top_p", 0),
+    ("top_p-over-1", "top_p", 1.5),
+    ("top_k-minus-5", "top_k", -5),
+    ("top_k-float", "top_k", 1.5),
+    ("min_p-2", "min_p", 2),
+    ("presence_penalty-5", "presence_penalty", 5),
+    ("frequency_penalty-minus-3", "frequency_penalty", -3),
+    ("repetition_penalty-zero", "repetition_penalty", 0),
+    ("seed-string", "seed", "42"),
+    ("seed-over-64-bits", "seed", 2**64 - 1),
+    ("stop-number", "stop", 5),
+    ("stop-list-with-number", "stop", ["a", 5]),
+    ("stop-empty-string", "stop", [""]),
+    ("stop-20-strings", "stop", [f"s{i}" for i in range(20)]),
+    ("stop_token_ids-not-list", "stop_token_ids", 5),
+    ("stop_token_ids-strings", "stop_token_ids", ["a"]),
+    ("stop_token_ids-negative", "stop_token_ids", [2, -1]),
+    ("stop_token_ids-vocab-size", "stop_token_ids", [VOCAB]),
+    ("stop_token_ids-257", "stop_token_ids", list(range(257))),
+    ("stop-257-chars", "stop", ["x" * 257]),
+    ("stream-string", "stream", "yes"),
+    ("stream_options-without-stream", "stream_options", {"include_usage": True}),
+    ("ignore_eos-string", "ignore_eos", "yes"),
+    ("model-wrong-type", "model", 5),
+    ("model-missing", "model", DROP),
     ("model-unknown", "model", "gpt-4o"),
 ]
 
@@ -98,7 +120,8 @@ CASES: list[Case] = [
     Case("json-truncated", CHAT, raw(b'{"model": "@MODEL", "messages": [')),
     Case("json-trailing-garbage", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "hi"}]} xyz')),
     Case("json-single-quotes", COMPLETIONS, raw(b"{'model': '@MODEL', 'prompt': 'hi'}")),
-    Case("json-empty-body-chat", CHAT), Case("json-empty-body-completions", COMPLETIONS),
+    Case("json-empty-body-chat", CHAT),
+    Case("json-empty-body-completions", COMPLETIONS),
     Case("json-nan", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "hi", "temperature": NaN}')),
     Case("json-trailing-comma", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "hi",}')),
     Case("json-bom", COMPLETIONS, raw(b'\xef\xbb\xbf{"model": "@MODEL", "prompt": "hi"}')),
@@ -107,30 +130,39 @@ CASES: list[Case] = [
     Case("utf8-invalid-in-content", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "caf\xc3"}]}')),
     Case("utf8-overlong-in-prompt", COMPLETIONS, raw(b'{"model": "@MODEL", "prompt": "\xc0\xaf"}')),
     Case("utf16-lone-surrogate", CHAT, raw(b'{"model": "@MODEL", "messages": [{"role": "user", "content": "\\ud800"}]}')),
-    *(Case(f"{coding}-header-on-plain-bytes", COMPLETIONS, completion(), headers={"Content-Encoding": coding})
-      for coding in ("gzip", "deflate", "br")),
+    *(
+        Case(f"{coding}-header-on-plain-bytes", COMPLETIONS, completion(), headers={"Content-Encoding": coding})
+        for coding in ("gzip", "deflate", "br")
+    ),
     # Not an object.
-    Case("body-array", CHAT, raw(b'[{"model": "@MODEL"}]')), Case("body-string", CHAT, raw(b'"hello"')),
-    Case("body-number", COMPLETIONS, raw(b"42")), Case("body-null", COMPLETIONS, raw(b"null")),
+    Case("body-array", CHAT, raw(b'[{"model": "@MODEL"}]')),
+    Case("body-string", CHAT, raw(b'"hello"')),
+    Case("body-number", COMPLETIONS, raw(b"42")),
+    Case("body-null", COMPLETIONS, raw(b"null")),
     # Chat messages.
-    Case("messages-missing", CHAT, chat(messages=DROP)), Case("messages-empty", CHAT, chat(messages=[])),
-    Case("messages-string", CHAT, chat(messages="hi")), Case("messages-object", CHAT, chat(messages={"role": "user"})),
+    Case("messages-missing", CHAT, chat(messages=DROP)),
+    Case("messages-empty", CHAT, chat(messages=[])),
+    Case("messages-string", CHAT, chat(messages="hi")),
+    Case("messages-object", CHAT, chat(messages={"role": "user"})),
     Case("message-not-object", CHAT, chat(messages=["hi"])),
     Case("message-without-role", CHAT, chat(messages=[{"content": "hi"}])),
     Case("message-unknown-role", CHAT, chat(messages=[{"role": "wizard", "content": "hi"}])),
     Case("message-role-number", CHAT, chat(messages=[{"role": 5, "content": "hi"}])),
     Case("message-role-list", CHAT, chat(messages=[{"role": ["user"], "content": "hi"}])),
     Case("message-role-object", CHAT, chat(messages=[{"role": {"name": "user"}, "content": "hi"}])),
-    Case("content-number", CHAT, user(5)), Case("content-object", CHAT, user({"text": "hi"})),
+    Case("content-number", CHAT, user(5)),
+    Case("content-object", CHAT, user({"text": "hi"})),
     Case("content-null-for-user", CHAT, user(None)),
     Case("content-part-image_url", CHAT, user([{"type": "image_url", "image_url": {"url": "http://x/y.png"}}])),
     Case("content-part-without-text", CHAT, user([{"type": "text"}])),
     Case("content-over-context", CHAT, user(LONG_TEXT)),
     Case("messages-9000-empty", CHAT, chat(messages=[{"role": "user", "content": ""}] * 9000)),
     # Completion prompts.
-    Case("prompt-missing", COMPLETIONS, completion(prompt=DROP)), Case("prompt-empty-list", COMPLETIONS, completion(prompt=[])),
+    Case("prompt-missing", COMPLETIONS, completion(prompt=DROP)),
+    Case("prompt-empty-list", COMPLETIONS, completion(prompt=[])),
     Case("prompt-empty-string", COMPLETIONS, completion(prompt="")),
-    Case("prompt-number", COMPLETIONS, completion(prompt=5)), Case("prompt-object", COMPLETIONS, completion(prompt={"text": "hi"})),
+    Case("prompt-number", COMPLETIONS, completion(prompt=5)),
+    Case("prompt-object", COMPLETIONS, completion(prompt={"text": "hi"})),
     Case("prompt-mixed-str-int", COMPLETIONS, completion(prompt=["hi", 5])),
     Case("prompt-bools", COMPLETIONS, completion(prompt=[True, False])),
     Case("prompt-empty-token-list", COMPLETIONS, completion(prompt=[[]])),
@@ -143,7 +175,8 @@ CASES: list[Case] = [
     Case("prompt-40000-words", COMPLETIONS, completion(prompt=LONG_TEXT)),
     Case("prompt-4-million-spaces", COMPLETIONS, completion(prompt=" " * 4_000_000)),
     Case("prompt-plus-max_tokens-over-context", COMPLETIONS, completion(prompt=[1] * (CONTEXT - 192), max_tokens=500)),
-    Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB)), Case("content-5-MiB", CHAT, user(FIVE_MIB)),
+    Case("prompt-5-MiB", COMPLETIONS, completion(prompt=FIVE_MIB)),
+    Case("content-5-MiB", CHAT, user(FIVE_MIB)),
     Case("prompts-times-n-over-capacity", COMPLETIONS, completion(prompt=["hi"] * 21, n=64)),  # 1,344 > 256 running + 1,024 queued
     # max_tokens and logprobs, endpoint-specific.
     Case("max_completion_tokens-zero", CHAT, chat(max_completion_tokens=0)),
@@ -155,14 +188,22 @@ CASES: list[Case] = [
     Case("completions-logprobs-bool", COMPLETIONS, completion(logprobs=True)),
     Case("stream_options-include_usage-string", CHAT, chat(stream=True, stream_options={"include_usage": "yes"})),
     # Shared fields, on both endpoints.
-    *(Case(f"{name}-{case_id}", path, make(**{key: value}), 404 if case_id == "model-unknown" else 400)
-      for case_id, key, value in SHARED for name, (path, make) in ENDPOINTS.items()),
+    *(
+        Case(f"{name}-{case_id}", path, make(**{key: value}), 404 if case_id == "model-unknown" else 400)
+        for case_id, key, value in SHARED
+        for name, (path, make) in ENDPOINTS.items()
+    ),
     # HTTP.
-    Case("body-over-8-MiB-chat", CHAT, raw(OVER_8_MIB), 413), Case("body-over-8-MiB-completions", COMPLETIONS, raw(OVER_8_MIB), 413),
-    Case("GET-chat", CHAT, status=405, method="GET"), Case("GET-completions", COMPLETIONS, status=405, method="GET"),
-    Case("PUT-chat", CHAT, chat(), 405, method="PUT"), Case("POST-models", "/v1/models", status=405),
-    Case("DELETE-health", "/health", status=405, method="DELETE"), Case("GET-flush_cache", "/flush_cache", status=405, method="GET"),
-    Case("POST-unknown-route", "/v1/chat/complete", chat(), 404), Case("GET-unknown-route", "/v2/models", status=404, method="GET"),
+    Case("body-over-8-MiB-chat", CHAT, raw(OVER_8_MIB), 413),
+    Case("body-over-8-MiB-completions", COMPLETIONS, raw(OVER_8_MIB), 413),
+    Case("GET-chat", CHAT, status=405, method="GET"),
+    Case("GET-completions", COMPLETIONS, status=405, method="GET"),
+    Case("PUT-chat", CHAT, chat(), 405, method="PUT"),
+    Case("POST-models", "/v1/models", status=405),
+    Case("DELETE-health", "/health", status=405, method="DELETE"),
+    Case("GET-flush_cache", "/flush_cache", status=405, method="GET"),
+    Case("POST-unknown-route", "/v1/chat/complete", chat(), 404),
+    Case("GET-unknown-route", "/v2/models", status=404, method="GET"),
 ]
 
 
@@ -199,14 +240,21 @@ async def test_all_at_once_then_the_server_still_answers(smol_server) -> None:
         replies = await asyncio.gather(*(send(http, c, smol_server.model) for c in CASES), return_exceptions=True)
         async with http.get("/health") as reply:
             assert reply.status == 200, await reply.text()
-        question = {"model": smol_server.model, "messages": [{"role": "user", "content": "What is the capital of France?"}],
-                    "temperature": 0, "max_tokens": 16}
+        question = {
+            "model": smol_server.model,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}],
+            "temperature": 0,
+            "max_tokens": 16,
+        }
         async with http.post(CHAT, json=question) as reply:
             assert reply.status == 200, await reply.text()
             assert "Paris" in (await reply.json())["choices"][0]["message"]["content"]
     assert smol_server.proc.poll() is None
-    wrong = {c.id: r if isinstance(r, BaseException) else (r[0], r[1][:200])
-             for c, r in zip(CASES, replies) if isinstance(r, BaseException) or not 400 <= r[0] < 500}
+    wrong = {
+        c.id: r if isinstance(r, BaseException) else (r[0], r[1][:200])
+        for c, r in zip(CASES, replies)
+        if isinstance(r, BaseException) or not 400 <= r[0] < 500
+    }
     assert not wrong, f"{len(wrong)} of {len(CASES)} bad requests got no 4xx together: {wrong}"
 
 
@@ -226,8 +274,10 @@ async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
     carry: the request is served under an id of the server's own."""
     body = orjson.dumps({"model": smol_server.model, "prompt": "hi", "max_tokens": 2})
     reader, writer = await asyncio.open_connection("127.0.0.1", smol_server.port)
-    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: \xff\xfe\r\n"
-                 b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: \xff\xfe\r\n"
+        b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
     reply = await asyncio.wait_for(reader.read(), 30)
     writer.close()
     head, _, answer = reply.partition(b"\r\n\r\n")
@@ -236,8 +286,11 @@ async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
 
 
 # Every POST route, with a body it would take as JSON.
-POSTS: dict[str, tuple[str, Body]] = {"chat": (CHAT, chat(max_tokens=2)), "completions": (COMPLETIONS, completion(max_tokens=2)),
-                                      "flush_cache": ("/flush_cache", raw(b"{}"))}
+POSTS: dict[str, tuple[str, Body]] = {
+    "chat": (CHAT, chat(max_tokens=2)),
+    "completions": (COMPLETIONS, completion(max_tokens=2)),
+    "flush_cache": ("/flush_cache", raw(b"{}")),
+}
 
 
 def sent_as(kind: str, body: bytes) -> dict[str, Any]:
@@ -275,8 +328,9 @@ async def test_a_body_that_stalls_gets_408_and_its_connection_closed(smol_server
     reader, writer = await asyncio.open_connection("127.0.0.1", smol_server.port)
     started = time.monotonic()
     try:
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b'Content-Length: 1000\r\n\r\n{"model": "')
+        writer.write(
+            b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": "'
+        )
         await writer.drain()
         try:
             reply = await asyncio.wait_for(reader.read(), BODY_TIMEOUT_S + 5)  # read() returns once the server closes

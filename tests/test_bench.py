@@ -33,11 +33,16 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_pat
 def test_a_killed_benchmark_leaves_no_server_behind(smollm2, tmp_path):
     """SIGKILL gives the benchmark no chance to stop its server; the kernel's parent-death signal
     must, and the server must then remove its segments as on any clean stop."""
-    bench = subprocess.Popen([sys.executable, "-m", "actors.cli", "bench", "offline", "--model", str(smollm2), *SMALL,
-                              "--out", str(tmp_path / "offline.json")], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    bench = subprocess.Popen(
+        [sys.executable, "-m", "actors.cli", "bench", "offline", "--model", str(smollm2), *SMALL, "--out", str(tmp_path / "offline.json")],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        served = wait_for(lambda: next((p for p in psutil.Process(bench.pid).children() if "serve" in p.cmdline()), None),
-                          60, "the benchmark's server")
+        served = wait_for(
+            lambda: next((p for p in psutil.Process(bench.pid).children() if "serve" in p.cmdline()), None), 60, "the benchmark's server"
+        )
         port = served.cmdline()[served.cmdline().index("--port") + 1]
         wait_for(lambda: list_segments(server_prefix(port)), 120, "the server's segments")
     finally:

@@ -16,10 +16,27 @@ from runtime.models.source import load_tokenizer
 from tests.conftest import ringllm
 
 SMALL = ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos", "--disable-tqdm"]
-VLLM_KEYS = {"date", "backend", "model_id", "tokenizer_id", "num_prompts", "request_rate", "burstiness", "max_concurrency",
-             "duration", "completed", "failed", "total_input_tokens", "total_output_tokens", "request_throughput",
-             "request_goodput", "output_throughput", "total_token_throughput", "command",
-             *(f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for name in ("ttft", "tpot", "itl", "e2el"))}
+VLLM_KEYS = {
+    "date",
+    "backend",
+    "model_id",
+    "tokenizer_id",
+    "num_prompts",
+    "request_rate",
+    "burstiness",
+    "max_concurrency",
+    "duration",
+    "completed",
+    "failed",
+    "total_input_tokens",
+    "total_output_tokens",
+    "request_throughput",
+    "request_goodput",
+    "output_throughput",
+    "total_token_throughput",
+    "command",
+    *(f"{stat}_{name}_ms" for stat in ("mean", "median", "std", "p99") for name in ("ttft", "tpot", "itl", "e2el")),
+}
 PER_REQUEST = ("input_lens", "output_lens", "start_times", "ttfts", "itls", "e2els", "generated_texts", "errors")
 
 
@@ -69,8 +86,12 @@ def test_shared_prefix(smol_server, smollm2):
 
 
 def test_jsonl_with_a_refused_request(smol_server, tmp_path):
-    rows = [{"prompt": "The capital of France is", "output_len": 3}, {"prompt": "One, two, three,"},
-            {"prompt": "Too long", "output_len": 100_000}, {"prompt": "Colors: red, green,", "output_len": 5}]
+    rows = [
+        {"prompt": "The capital of France is", "output_len": 3},
+        {"prompt": "One, two, three,"},
+        {"prompt": "Too long", "output_len": 100_000},
+        {"prompt": "Colors: red, green,", "output_len": 5},
+    ]
     path = tmp_path / "prompts.jsonl"
     path.write_bytes(b"\n".join(orjson.dumps(r) for r in rows))
     result = bench(smol_server, "--dataset-name", "jsonl", "--dataset-path", str(path))
@@ -81,14 +102,39 @@ def test_jsonl_with_a_refused_request(smol_server, tmp_path):
 
 
 def test_command_line_prints_vllms_block_and_saves_vllms_keys(smol_server, tmp_path):
-    out = ringllm("bench", "serve", "--base-url", smol_server.base_url, *SMALL, "--max-concurrency", "4",
-                  "--goodput", "ttft:600000", "e2el:600000", "--save-result", "--result-dir", str(tmp_path), timeout=120).stdout
+    out = ringllm(
+        "bench",
+        "serve",
+        "--base-url",
+        smol_server.base_url,
+        *SMALL,
+        "--max-concurrency",
+        "4",
+        "--goodput",
+        "ttft:600000",
+        "e2el:600000",
+        "--save-result",
+        "--result-dir",
+        str(tmp_path),
+        timeout=120,
+    ).stdout
     assert "============ Serving Benchmark Result ============\nSuccessful requests:" in out and f"\n{'=' * 50}\n" in out
-    for label, value in (("Successful requests", "8"), ("Failed requests", "0"), ("Maximum request concurrency", "4"),
-                         ("Total generated tokens", "64")):
+    for label, value in (
+        ("Successful requests", "8"),
+        ("Failed requests", "0"),
+        ("Maximum request concurrency", "4"),
+        ("Total generated tokens", "64"),
+    ):
         assert re.search(rf"^{label}:\s+{value}$", out, re.M), label
-    for label in ("Benchmark duration (s)", "Request goodput (req/s)", "Output token throughput (tok/s)", "Mean TTFT (ms)",
-                  "P99 TPOT (ms)", "Median ITL (ms)", "P99 E2EL (ms)"):
+    for label in (
+        "Benchmark duration (s)",
+        "Request goodput (req/s)",
+        "Output token throughput (tok/s)",
+        "Mean TTFT (ms)",
+        "P99 TPOT (ms)",
+        "Median ITL (ms)",
+        "P99 E2EL (ms)",
+    ):
         assert re.search(rf"^{re.escape(label)}:\s+\d+\.\d\d$", out, re.M), label
     (saved,) = tmp_path.glob("ringllm-infqps-concurrency4-smollm2-*.json")
     result = orjson.loads(saved.read_bytes())

@@ -36,8 +36,13 @@ def test_a_build_killed_midway_does_not_block_later_loads():
     baton = cpu_kernels.build_directory() / "lock"
     baton.touch()
     try:
-        loaded = subprocess.run([sys.executable, "-c", "from runtime.kernels.cpu import build; print(build.available())"],
-                                cwd=ROOT, capture_output=True, text=True, timeout=120)
+        loaded = subprocess.run(
+            [sys.executable, "-c", "from runtime.kernels.cpu import build; print(build.available())"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert loaded.stdout.strip() == "True", loaded.stderr
         assert not baton.exists()
     finally:
@@ -98,8 +103,7 @@ def _decode_step(kv_lens: list[int], page_size: int, pool: KVPool, generator: to
     pages = torch.randperm(len(pool.kv[0]), generator=generator).numpy().astype(np.int32)
     counts = [-(-n // page_size) for n in kv_lens]
     kv_indptr = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    return AttentionMeta(np.arange(len(kv_lens) + 1, dtype=np.int32), kv_indptr, pages[: kv_indptr[-1]],
-                         np.array(kv_lens, dtype=np.int32))
+    return AttentionMeta(np.arange(len(kv_lens) + 1, dtype=np.int32), kv_indptr, pages[: kv_indptr[-1]], np.array(kv_lens, dtype=np.int32))
 
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (16, 8, 128)])
@@ -111,8 +115,12 @@ def test_paged_decode_attention_matches_sdpa_on_gathered_pages(heads, kv_heads, 
     pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
     meta = _decode_step(kv_lens, page_size, pool, generator)
     q = torch.randn(len(kv_lens), heads, head_dim, generator=generator)
-    batch = ForwardBatch(torch.zeros(len(kv_lens), dtype=torch.int64), torch.zeros(len(kv_lens), dtype=torch.int64),
-                         torch.zeros(len(kv_lens), 2, dtype=torch.int64), meta)
+    batch = ForwardBatch(
+        torch.zeros(len(kv_lens), dtype=torch.int64),
+        torch.zeros(len(kv_lens), dtype=torch.int64),
+        torch.zeros(len(kv_lens), 2, dtype=torch.int64),
+        meta,
+    )
     in_place, gathered = TorchAttention(pool, heads), TorchAttention(pool, heads)
     gathered.in_place = False
     assert in_place.in_place

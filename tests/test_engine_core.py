@@ -64,8 +64,10 @@ def test_planning_further_ahead_changes_no_token(tiny_model):
     """CUDA plans two steps ahead of the results and CPU one: every depth must give the same tokens
     through stops mid-flight, penalties, a shared prefix and preemption in a pool that is too small."""
     prompts = random_prompts(10, range(20, 70), seed=11, prefix=list(range(40)))
-    params = [SamplingParams(max_tokens=20, temperature=0.8, seed=i, stop_token_ids=[i * 37 % 512],
-                             repetition_penalty=1.1 if i % 3 == 0 else 1.0) for i in range(len(prompts))]
+    params = [
+        SamplingParams(max_tokens=20, temperature=0.8, seed=i, stop_token_ids=[i * 37 % 512], repetition_penalty=1.1 if i % 3 == 0 else 1.0)
+        for i in range(len(prompts))
+    ]
     runs = {}
     for depth in (1, 2, 3):
         llm = LLM(tiny_model("llama"), dtype="float32", page_size=16, num_pages=20, steps_in_flight=depth)
@@ -77,8 +79,18 @@ def test_planning_further_ahead_changes_no_token(tiny_model):
 
 def test_seeded_request_samples_the_same_alone_and_in_a_batch_of_16(tiny_model):
     llm = LLM(tiny_model("qwen3"), dtype="float32", page_size=16)
-    seeded = SamplingParams(max_tokens=32, temperature=0.9, top_p=0.9, top_k=50, min_p=0.02, seed=1234, ignore_eos=True,
-                            frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1)
+    seeded = SamplingParams(
+        max_tokens=32,
+        temperature=0.9,
+        top_p=0.9,
+        top_k=50,
+        min_p=0.02,
+        seed=1234,
+        ignore_eos=True,
+        frequency_penalty=0.3,
+        presence_penalty=0.2,
+        repetition_penalty=1.1,
+    )
     prompt = random_prompts(1, range(20, 21), seed=6)
     alone = llm.generate(prompt, seeded)[0].token_ids
     others = random_prompts(15, range(5, 60), seed=7)
@@ -114,8 +126,19 @@ def test_logprobs_and_greedy_agree(tiny_model):
         assert len(top) == 3 and max(top, key=top.get) == token and all(lp <= 0 for lp in top.values())
 
 
-@pytest.mark.parametrize("bad", [dict(max_tokens=0), dict(temperature=-1), dict(top_p=0), dict(top_k=-2),
-                                 dict(min_p=1.5), dict(presence_penalty=3), dict(repetition_penalty=0), dict(logprobs=-1)])
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(max_tokens=0),
+        dict(temperature=-1),
+        dict(top_p=0),
+        dict(top_k=-2),
+        dict(min_p=1.5),
+        dict(presence_penalty=3),
+        dict(repetition_penalty=0),
+        dict(logprobs=-1),
+    ],
+)
 def test_invalid_sampling_parameters_are_refused(bad):
     with pytest.raises(ValueError):
         SamplingParams(**bad)
@@ -227,8 +250,9 @@ def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(token
     from runtime.engine.cuda_graph import pad_meta
 
     page_size, scratch = 16, 99
-    real = AttentionMeta(np.array([0, 1, 2], np.int32), np.array([0, 3, 4], np.int32), np.array([5, 6, 7, 8], np.int32),
-                         np.array([40, 9], np.int32))
+    real = AttentionMeta(
+        np.array([0, 1, 2], np.int32), np.array([0, 3, 4], np.int32), np.array([5, 6, 7, 8], np.int32), np.array([40, 9], np.int32)
+    )
     padded = pad_meta(real, tokens, seqs, scratch, page_size)
     assert padded.qo_indptr[-1] == tokens and len(padded.kv_lens) == seqs == len(padded.qo_indptr) - 1
     assert all(a.dtype == np.int32 for a in (padded.qo_indptr, padded.kv_indptr, padded.kv_indices, padded.kv_lens))
@@ -239,17 +263,27 @@ def test_graph_padding_adds_sequences_that_attend_only_to_the_scratch_page(token
     assert (pages == -(-q_lens // page_size)).all()
 
 
-@pytest.mark.parametrize("field, value", [("max_prefill_tokens", 0), ("page_size", 0), ("max_running_requests", -1),
-                                          ("num_pages", 0), ("cuda_graph_max_bs", -1), ("mem_fraction", 1.5),
-                                          ("steps_in_flight", 0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("max_prefill_tokens", 0),
+        ("page_size", 0),
+        ("max_running_requests", -1),
+        ("num_pages", 0),
+        ("cuda_graph_max_bs", -1),
+        ("mem_fraction", 1.5),
+        ("steps_in_flight", 0),
+    ],
+)
 def test_sizes_that_could_never_run_are_refused(field, value, tiny_model):
     """A chunk budget of 0 used to hold every prompt forever; now the offline API and `ringllm serve`
     refuse such sizes before anything starts."""
     with pytest.raises(ValueError, match=field):
         LLM(tiny_model("llama"), **{field: value})
     flag = "--" + field.replace("_", "-")
-    done = subprocess.run([sys.executable, "-m", "actors.cli", "serve", flag, str(value), "--port", "1"],
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "serve", flag, str(value), "--port", "1"], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 2 and f"error: {field}" in done.stderr, done.stderr[-2000:]
 
 

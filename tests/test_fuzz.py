@@ -15,14 +15,19 @@ from tests.conftest import launch, ringllm, with_tokenizer
 
 CASES = 1200
 
-scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) \
-    | st.text(max_size=24)
-anything = st.recursive(scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                        max_leaves=12)
+scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=24)
+anything = st.recursive(
+    scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4), max_leaves=12
+)
 small_ints = st.integers(-3, 4)  # valid counts stay tiny, so that accepted requests finish fast
 roles = st.sampled_from(["system", "user", "assistant", "developer", "tool", "robot", ""])
-messages = st.lists(st.fixed_dictionaries({"role": roles | anything}, optional={"content": st.text(max_size=40) | anything,
-                                                                               "name": anything}), max_size=3) | anything
+messages = (
+    st.lists(
+        st.fixed_dictionaries({"role": roles | anything}, optional={"content": st.text(max_size=40) | anything, "name": anything}),
+        max_size=3,
+    )
+    | anything
+)
 FIELDS = {
     "prompt": st.text(max_size=60) | st.lists(st.integers(-5, 60_000), max_size=8) | st.lists(st.text(max_size=8), max_size=3) | anything,
     "messages": messages,
@@ -58,8 +63,11 @@ FIELDS = {
 def requests(draw, model: str) -> tuple[str, str, dict[str, str], bytes]:
     path = draw(st.sampled_from(["/v1/chat/completions"] * 4 + ["/v1/completions"] * 4 + ["/v1/models", "/v1/nope", "/version"]))
     optional = {name: strategy for name, strategy in FIELDS.items() if name != "max_tokens"}
-    body = draw(st.fixed_dictionaries({"max_tokens": FIELDS["max_tokens"]},
-                                      optional={"model": st.sampled_from([model, "gpt-4", ""]) | anything, **optional}))
+    body = draw(
+        st.fixed_dictionaries(
+            {"max_tokens": FIELDS["max_tokens"]}, optional={"model": st.sampled_from([model, "gpt-4", ""]) | anything, **optional}
+        )
+    )
     if draw(st.booleans()):
         body["model"] = model
     payload = json.dumps(body, ensure_ascii=False).encode()  # json: orjson refuses integers beyond 64 bits
@@ -91,8 +99,7 @@ def test_fuzzed_requests_never_get_a_5xx(fuzz_server):
     seen: dict[int, int] = {}
     connection = http.client.HTTPConnection("127.0.0.1", fuzz_server.port, timeout=60)
 
-    @settings(max_examples=CASES, deadline=None, database=None, derandomize=True,
-              suppress_health_check=list(HealthCheck))
+    @settings(max_examples=CASES, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
     @given(requests(fuzz_server.model))
     def one(case) -> None:
         nonlocal connection

@@ -43,10 +43,13 @@ def paged_batch(shapes: list[tuple[int, int]], generator: torch.Generator) -> Fo
 
 
 @pytest.mark.parametrize("kv_heads", [4, 8])  # decode on tensor cores, and on CUDA cores
-@pytest.mark.parametrize("shapes", [
-    [(37, 57), (1, 50), (1, 300), (16, 16)],  # a chunk over a cached prefix, decodes, a fresh prefill
-    [(1, 50), (1, 300), (1, 1), (1, 17)],  # decode only
-])
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(37, 57), (1, 50), (1, 300), (16, 16)],  # a chunk over a cached prefix, decodes, a fresh prefill
+        [(1, 50), (1, 300), (1, 1), (1, 17)],  # decode only
+    ],
+)
 def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads):
     generator = torch.Generator().manual_seed(0)
     batch = paged_batch(shapes, generator)
@@ -108,8 +111,16 @@ def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
     runs, shapes = {}, []
     for name, max_tokens in (("eager", 0), ("graphs", 3072)):
-        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=PAGE, num_pages=1024,
-                  max_prefill_tokens=256, cuda_graph_max_prefill_tokens=max_tokens)
+        llm = LLM(
+            model_dir,
+            device="cuda",
+            dtype="bfloat16",
+            attention_backend="flashinfer",
+            page_size=PAGE,
+            num_pages=1024,
+            max_prefill_tokens=256,
+            cuda_graph_max_prefill_tokens=max_tokens,
+        )
         if max_tokens:
             graphs = llm.engine.prefill_graphs
             replay = graphs.replay
@@ -269,8 +280,7 @@ def kernels_built_while_serving(model_dir: str, graphs: dict[str, int]) -> list[
     knobs.runtime.jit_post_compile_hook = lambda **info: built.append(info["repr"])
     for n in (1, 7, 16, 37):  # prefills of every alignment
         llm.generate([list(range(3, 3 + n))], SamplingParams(max_tokens=3, temperature=0, ignore_eos=True))
-    kinds = ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 0, "logprobs": 2}, {"top_p": 0.9},
-             {"repetition_penalty": 1.2})
+    kinds = ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 0, "logprobs": 2}, {"top_p": 0.9}, {"repetition_penalty": 1.2})
     shared = list(range(3, 40))
     for kind in kinds:  # each kind of draw, alone and among twenty; after the first, over a cached prefix
         for batch in ([shared], [shared + [i] for i in range(20)]):
@@ -278,10 +288,13 @@ def kernels_built_while_serving(model_dir: str, graphs: dict[str, int]) -> list[
     return built
 
 
-@pytest.mark.parametrize("graphs", [
-    {"cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0},  # every step eager
-    {"cuda_graph_max_bs": 31},  # an odd width once left the graphs' slots row unaligned for the draw
-])
+@pytest.mark.parametrize(
+    "graphs",
+    [
+        {"cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0},  # every step eager
+        {"cuda_graph_max_bs": 31},  # an odd width once left the graphs' slots row unaligned for the draw
+    ],
+)
 def test_serving_builds_no_triton_kernel_after_start_up(tmp_path, graphs):
     """Triton builds a kernel variant per argument class on first use, and one built mid-serving
     stalls its step: the rope and KV write once stalled a prefill 87 ms on the H200, and a first
@@ -337,15 +350,20 @@ def test_few_row_linears_match_cublas():
     tinygemm, gemv_kernel = load_tinygemm(cuda, torch.bfloat16), _gemv_kernels(cuda, torch.bfloat16)
     assert gemv_kernel is not None, "Triton ships with CUDA builds of torch"
     torch.manual_seed(8)
-    model = nn.Sequential(nn.Linear(2048, 1024, bias=False), nn.Linear(1024, 2048, bias=True), nn.Linear(2048, 1024, bias=False),
-                          nn.Linear(1024, 96, bias=False)).to(cuda, torch.bfloat16)
+    model = nn.Sequential(
+        nn.Linear(2048, 1024, bias=False),
+        nn.Linear(1024, 2048, bias=True),
+        nn.Linear(2048, 1024, bias=False),
+        nn.Linear(1024, 96, bias=False),
+    ).to(cuda, torch.bfloat16)
     row_counts = [1, 2, 4, 8, 16, 32]
     inputs = {rows: torch.randn(rows, 2048, device=cuda, dtype=torch.bfloat16) for rows in row_counts}
     expected = {rows: model(x) for rows, x in inputs.items()}
     for name in ("tinygemm", *("gemv{}x{}".format(*tile) for tile in gemv_kernel.TILES)):
         for linear in model[:2]:
-            kernels = {rows: run for rows in row_counts
-                       if (run := _candidates(linear.weight, rows, tinygemm, gemv_kernel).get(name)) is not None}
+            kernels = {
+                rows: run for rows in row_counts if (run := _candidates(linear.weight, rows, tinygemm, gemv_kernel).get(name)) is not None
+            }
             if not kernels:
                 continue
             forced = FewRowLinear(linear, kernels)
@@ -422,8 +440,13 @@ def test_one_row_fusion_gives_the_tokens_of_torch_attention(tmp_path, monkeypatc
         return [(o.token_ids, o.logprobs) for p in prompts for o in llm.generate([p], params)]
 
     reference = alone("torch")
-    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline, *margin: next(
-        (way for way in times if way.startswith(("gemv", "fused")) and (stream or way != "fused stream")), baseline))
+    monkeypatch.setattr(
+        few_row_gemm,
+        "_winner",
+        lambda times, baseline, *margin: next(
+            (way for way in times if way.startswith(("gemv", "fused")) and (stream or way != "fused stream")), baseline
+        ),
+    )
     monkeypatch.setattr(few_row_gemm, "_fastest", lambda times: next(iter(times)))
     assert_same_greedy_tokens(reference, alone("flashinfer"), "one-row GEMV and fusions" + " (summed stream)" * stream)
 
@@ -443,14 +466,18 @@ def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkey
     generator = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, 512, (n,), generator=generator).tolist() for n in (5, 70, 300)]
     params = SamplingParams(max_tokens=64, temperature=0, ignore_eos=True, logprobs=3)
-    monkeypatch.setattr(few_row_gemm, "_winner", lambda times, baseline, *margin: next(
-        (way for way in times if way.startswith(("gemv", "fused"))), baseline))
+    monkeypatch.setattr(
+        few_row_gemm,
+        "_winner",
+        lambda times, baseline, *margin: next((way for way in times if way.startswith(("gemv", "fused"))), baseline),
+    )
     monkeypatch.setattr(few_row_gemm, "_fastest", lambda times: next(iter(times)))  # the summed stream's tiles: both runs alike
     monkeypatch.setattr(cuda_graph, "fastest", lambda graphs: "triton")
 
     def alone() -> list[tuple[list[int], list[dict[int, float]]]]:
-        llm = LLM(model_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=PAGE,
-                  num_pages=512, cuda_graph_max_bs=16)
+        llm = LLM(
+            model_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer", page_size=PAGE, num_pages=512, cuda_graph_max_bs=16
+        )
         assert llm.engine.graphs.attention_kernels[1] == "triton", llm.engine.graphs.attention_kernels
         return [(o.token_ids, o.logprobs) for p in prompts for o in llm.generate([p], params)]
 
@@ -476,8 +503,15 @@ def test_triton_decode_attention_matches_torch(shapes, kv_heads):
     reference.prepare(batch.meta)
     want = reference.forward(0, qkv[:, :HEADS], batch).float()
     device = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
-    got = decode_attention(qkv[:, :HEADS], pool.kv[0], device(batch.meta.kv_indptr), device(batch.meta.kv_indices),
-                           device(batch.meta.kv_lens), HEAD_DIM**-0.5, torch.full_like(qkv[:, :HEADS], float("nan")))
+    got = decode_attention(
+        qkv[:, :HEADS],
+        pool.kv[0],
+        device(batch.meta.kv_indptr),
+        device(batch.meta.kv_indices),
+        device(batch.meta.kv_lens),
+        HEAD_DIM**-0.5,
+        torch.full_like(qkv[:, :HEADS], float("nan")),
+    )
     error = (got.float() - want).norm() / want.norm()
     print(f"triton decode vs torch attention, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
     assert error < 1e-2
@@ -507,11 +541,20 @@ def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
     untouched, two_pass_pool = qkv.clone(), pool.kv[0].clone()
 
     rotated = qkv.clone()
-    rope_kv_write(rotated.view(tokens, -1), batch.positions, cache, q_norm, k_norm, 1e-6,
-                  two_pass_pool.view(-1, kv_heads * HEAD_DIM), batch.kv_rows, heads, kv_heads)
+    rope_kv_write(
+        rotated.view(tokens, -1),
+        batch.positions,
+        cache,
+        q_norm,
+        k_norm,
+        1e-6,
+        two_pass_pool.view(-1, kv_heads * HEAD_DIM),
+        batch.kv_rows,
+        heads,
+        kv_heads,
+    )
     want = decode_attention(rotated[:, :heads], two_pass_pool, *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]))
-    got = decode_attention(qkv, pool.kv[0], *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]),
-                           Rope(cache, q_norm, k_norm, 1e-6))
+    got = decode_attention(qkv, pool.kv[0], *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]), Rope(cache, q_norm, k_norm, 1e-6))
     close(got, want, "output")
     rows, (got_rows, want_rows) = batch.kv_rows.flatten(), (kv.view(-1, kv_heads * HEAD_DIM) for kv in (pool.kv[0], two_pass_pool))
     close(got_rows[rows], want_rows[rows], "the new K and V")

@@ -62,8 +62,16 @@ async def test_a_hostile_backlog_gives_every_client_its_own_answer(smol_server, 
     longs = _long_prompts(LONG_COUNT)
     counts = [len(ids) for ids in smol_tokenizer(longs, add_special_tokens=False)["input_ids"]]
     assert len(set(counts)) == len(counts)
-    shorts = [{"model": model, "prompt": f"Request {i}: the capital of country number {i} is", "max_tokens": 5,
-               "temperature": 0, "stop_token_ids": STOP_IDS} for i in range(8)]
+    shorts = [
+        {
+            "model": model,
+            "prompt": f"Request {i}: the capital of country number {i} is",
+            "max_tokens": 5,
+            "temperature": 0,
+            "stop_token_ids": STOP_IDS,
+        }
+        for i in range(8)
+    ]
     fillers = [{"model": model, "prompt": f"filler {i} " + "word " * 120_000, "max_tokens": 4} for i in range(16)]
     before = _restarts(smol_server)
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
@@ -75,18 +83,25 @@ async def test_a_hostile_backlog_gives_every_client_its_own_answer(smol_server, 
         await asyncio.sleep(0.2)
         replies = await asyncio.gather(
             *(_post(http, {"model": model, "prompt": text, "max_tokens": 4, "stop_token_ids": STOP_IDS}) for text in longs),
-            *(_post(http, body) for body in shorts))
+            *(_post(http, body) for body in shorts),
+        )
         refused = await flood
-    wrong = [("filler", i, status, body) for i, (status, body) in enumerate(refused)
-             if status != 400 or "maximum context length" not in body.get("error", {}).get("message", "")]
+    wrong = [
+        ("filler", i, status, body)
+        for i, (status, body) in enumerate(refused)
+        if status != 400 or "maximum context length" not in body.get("error", {}).get("message", "")
+    ]
     for i, (status, body) in enumerate(replies[:LONG_COUNT]):
         message = body.get("error", {}).get("message", "")
         found = re.search(r"the prompt has (\d+)", message)
         if status != 400 or found is None or int(found[1]) != counts[i]:
             wrong.append((i, counts[i], status, message[:120] or body))
     for i, ((status, body), (_, expected)) in enumerate(zip(replies[LONG_COUNT:], alone)):
-        if status != 200 or body["choices"][0]["text"] != expected["choices"][0]["text"] \
-                or body["usage"]["prompt_tokens"] != expected["usage"]["prompt_tokens"]:
+        if (
+            status != 200
+            or body["choices"][0]["text"] != expected["choices"][0]["text"]
+            or body["usage"]["prompt_tokens"] != expected["usage"]["prompt_tokens"]
+        ):
             wrong.append((f"short {i}", status, body.get("choices", body), expected["choices"][0]["text"]))
     assert not wrong, f"{len(wrong)} of {len(replies)} clients got another's answer or none: {wrong[:6]}"
     assert _restarts(smol_server) == before
@@ -131,6 +146,7 @@ async def test_huge_prompts_hold_up_no_one(smol_server) -> None:
     short = {"model": model, "prompt": "The capital of France is", "max_tokens": 1, "temperature": 0}
     connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(smol_server.base_url, timeout=TIMEOUT, connector=connector) as http:
+
         async def timed() -> float:
             started = time.monotonic()
             status, _ = await _post(http, short)

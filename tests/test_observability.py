@@ -19,14 +19,27 @@ from benchmarks.serve import parse_args, run_benchmark
 from runtime.obs.metrics import TTFT_BUCKETS
 from tests.conftest import ROOT, ringllm, wait_for
 
-PIPELINE_ORDER = [("api", "received"), ("tokenizer", "tokenized"), ("scheduler", "queued"), ("scheduler", "scheduled"),
-                  ("scheduler", "prefill_done"), ("api", "first_token"), ("scheduler", "finished"), ("api", "finished")]
+PIPELINE_ORDER = [
+    ("api", "received"),
+    ("tokenizer", "tokenized"),
+    ("scheduler", "queued"),
+    ("scheduler", "scheduled"),
+    ("scheduler", "prefill_done"),
+    ("api", "first_token"),
+    ("scheduler", "finished"),
+    ("api", "finished"),
+]
 
 
 async def stream_chat(base_url: str, model: str, headers: dict[str, str]) -> tuple[str, dict]:
     """The X-Request-Id the server answered with, and the body's id."""
-    body = {"model": model, "messages": [{"role": "user", "content": "Name a color."}], "max_tokens": 6, "stream": True,
-            "ignore_eos": True}  # sampled at temperature 1: without it, an early <|im_end|> ends the request short
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "Name a color."}],
+        "max_tokens": 6,
+        "stream": True,
+        "ignore_eos": True,
+    }  # sampled at temperature 1: without it, an early <|im_end|> ends the request short
     async with aiohttp.ClientSession(base_url) as http, http.post("/v1/chat/completions", json=body, headers=headers) as reply:
         assert reply.status == 200
         chunks = [orjson.loads(line[5:]) for line in (await reply.read()).split(b"\n\n") if line.startswith(b"data: {")]
@@ -36,8 +49,11 @@ async def stream_chat(base_url: str, model: str, headers: dict[str, str]) -> tup
 def trace(log, rid: str) -> dict:
     def finished() -> dict | None:
         result = ringllm("trace", rid, "--log", str(log), "--json", check=False)
-        if result.returncode == 0 and (traced := orjson.loads(result.stdout)) and \
-                sum(e["event"] == "finished" for e in traced["events"]) == 2:
+        if (
+            result.returncode == 0
+            and (traced := orjson.loads(result.stdout))
+            and sum(e["event"] == "finished" for e in traced["events"]) == 2
+        ):
             return traced
         return None
 
@@ -87,8 +103,22 @@ def scrape(base_url: str) -> dict:
 
 
 def test_metrics_agree_with_the_load_harness(smol_server):
-    args = parse_args(["--base-url", smol_server.base_url, "--num-prompts", "12", "--request-rate", "6",
-                       "--random-input-len", "96", "--random-output-len", "8", "--ignore-eos", "--disable-tqdm"])
+    args = parse_args(
+        [
+            "--base-url",
+            smol_server.base_url,
+            "--num-prompts",
+            "12",
+            "--request-rate",
+            "6",
+            "--random-input-len",
+            "96",
+            "--random-output-len",
+            "8",
+            "--ignore-eos",
+            "--disable-tqdm",
+        ]
+    )
     result = asyncio.run(run_benchmark(args))
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["server_completed"] == result["completed"]
@@ -96,11 +126,23 @@ def test_metrics_agree_with_the_load_harness(smol_server):
     assert abs(result["server_mean_ttft_ms"] - result["mean_ttft_ms"]) <= 0.10 * result["mean_ttft_ms"]
 
     families = scrape(smol_server.base_url)
-    for name in ("vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-                 "vllm:request_queue_time_seconds", "vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc", "vllm:prefix_cache_queries", "vllm:prefix_cache_hits", "vllm:prompt_tokens",
-                 "vllm:generation_tokens", "vllm:request_success", "ringllm:ring_occupancy",
-                 "ringllm:step_duration_seconds", "ringllm:batch_size"):
+    for name in (
+        "vllm:time_to_first_token_seconds",
+        "vllm:inter_token_latency_seconds",
+        "vllm:e2e_request_latency_seconds",
+        "vllm:request_queue_time_seconds",
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+        "vllm:prefix_cache_queries",
+        "vllm:prefix_cache_hits",
+        "vllm:prompt_tokens",
+        "vllm:generation_tokens",
+        "vllm:request_success",
+        "ringllm:ring_occupancy",
+        "ringllm:step_duration_seconds",
+        "ringllm:batch_size",
+    ):
         assert name in families, name
     buckets = [s.labels["le"] for s in families["vllm:time_to_first_token_seconds"].samples if s.name.endswith("_bucket")]
     assert buckets == [repr(float(b)) for b in TTFT_BUCKETS] + ["+Inf"]
@@ -119,28 +161,42 @@ def test_metrics_agree_with_the_load_harness(smol_server):
 
 def test_json_log_lines_take_fields_with_integer_keys():
     """engine_ready logs padded_to as {rows: graph rows}: orjson refuses int keys unless told."""
-    code = "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); " \
-           "structlog.get_logger().info('hello', padded_to={1: 8})"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    code = (
+        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); "
+        "structlog.get_logger().info('hello', padded_to={1: 8})"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "RINGLLM_LOG_FORMAT": "json"}
+    )
     assert out.returncode == 0 and orjson.loads(out.stderr.strip().splitlines()[-1])["padded_to"] == {"1": 8}, out.stderr
 
 
 def test_json_log_lines_carry_the_traceback_of_log_exception():
     """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true."""
-    code = ("from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe')\n"
-            "try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    code = (
+        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe')\n"
+        "try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "RINGLLM_LOG_FORMAT": "json"}
+    )
     line = orjson.loads(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0 and "missing-key" in orjson.dumps(line["exception"]).decode(), out.stderr
 
 
 def test_console_log_format():
-    code = "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); " \
-           "structlog.get_logger().info('hello', rid='r1')"
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "RINGLLM_LOG_FORMAT": "console"}).stderr
+    code = (
+        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); "
+        "structlog.get_logger().info('hello', rid='r1')"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "RINGLLM_LOG_FORMAT": "console"},
+    ).stderr
     assert "hello" in out and "rid=r1" in out and "actor=probe" in out and not out.lstrip().startswith("{")
 
 
@@ -154,9 +210,12 @@ def test_every_actor_freezes_its_start_up_heap(smol_server):
 
 
 def test_long_collections_are_logged():
-    code = ("import gc; from runtime.obs.logs import configure_logging; from runtime.obs.gc_pauses import log_long_pauses; "
-            "configure_logging('probe'); log_long_pauses(0.0); gc.collect()")
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "RINGLLM_LOG_FORMAT": "json"})
+    code = (
+        "import gc; from runtime.obs.logs import configure_logging; from runtime.obs.gc_pauses import log_long_pauses; "
+        "configure_logging('probe'); log_long_pauses(0.0); gc.collect()"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "RINGLLM_LOG_FORMAT": "json"}
+    )
     pauses = [orjson.loads(line) for line in out.stderr.splitlines() if '"gc_pause"' in line]
     assert out.returncode == 0 and pauses and pauses[-1]["generation"] == 2 and pauses[-1]["ms"] >= 0, out.stderr

@@ -138,8 +138,9 @@ def story(sync_api: Api) -> Choice:
 
 
 async def test_chat_answers_greedily_with_exact_usage(sync_api: Api) -> None:
-    response = sync_api.client.chat.completions.create(model=sync_api.model, messages=CAPITAL, temperature=0, max_tokens=24,
-                                                       extra_body={"return_token_ids": True})
+    response = sync_api.client.chat.completions.create(
+        model=sync_api.model, messages=CAPITAL, temperature=0, max_tokens=24, extra_body={"return_token_ids": True}
+    )
     choice = response.choices[0]
     assert response.id.startswith("chatcmpl-") and response.model == sync_api.model
     assert choice.message.role == "assistant" and "Paris" in choice.message.content
@@ -237,8 +238,9 @@ async def test_chat_logprobs(sync_api: Api) -> None:
         assert entry.logprob == pytest.approx(max(tops), abs=1e-5) and entry.token == entry.top_logprobs[0].token
 
 
-@pytest.mark.parametrize(("stream", "held"), [(False, False), (True, False), (False, True), (True, True)],
-                         ids=["whole", "stream", "whole-held", "stream-held"])
+@pytest.mark.parametrize(
+    ("stream", "held"), [(False, False), (True, False), (False, True), (True, True)], ids=["whole", "stream", "whole-held", "stream-held"]
+)
 async def test_completion_logprobs(sync_api: Api, story: Choice, stream: bool, held: bool) -> None:
     """`held`: a stop string that starts like the output but never completes, so text is held back and released."""
     stop = {"stop": [_word(story.text) + "Zzz"]} if held else {}
@@ -283,8 +285,11 @@ async def test_models_lists_the_served_model(sync_api: Api) -> None:
     assert [m.id for m in models] == [sync_api.model] and models[0].object == "model"
 
 
-@pytest.mark.parametrize(("change", "error"), [({"model": "nope"}, openai.NotFoundError), ({"temperature": 3}, openai.BadRequestError)],
-                         ids=["unknown-model", "temperature-3"])
+@pytest.mark.parametrize(
+    ("change", "error"),
+    [({"model": "nope"}, openai.NotFoundError), ({"temperature": 3}, openai.BadRequestError)],
+    ids=["unknown-model", "temperature-3"],
+)
 async def test_invalid_requests_raise_the_client_errors(sync_api: Api, change: dict, error: type) -> None:
     with pytest.raises(error):
         sync_api.client.chat.completions.create(**{"model": sync_api.model, "messages": CAPITAL, "max_tokens": 2, **change})

@@ -40,7 +40,11 @@ def prompts_for(model_dir: Path) -> tuple[tuple[int, ...], ...]:
 
         tokenizer = AutoTokenizer.from_pretrained(model_dir)
         return tuple(
-            tuple(tokenizer.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+            tuple(
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True, return_dict=True
+                )["input_ids"]
+            )
             for q in QUESTIONS
         )
     generator = torch.Generator().manual_seed(1)
@@ -57,8 +61,12 @@ def reference(model_dir: Path) -> list[tuple[list[int], torch.Tensor]]:
     out = []
     for prompt in prompts_for(model_dir):
         result = model.generate(
-            torch.tensor([prompt]), max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0,
-            output_logits=True, return_dict_in_generate=True,
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            pad_token_id=0,
+            output_logits=True,
+            return_dict_in_generate=True,
         )
         ids = result.sequences[0, len(prompt) :].tolist()
         assert len(ids) == NEW_TOKENS
@@ -84,8 +92,14 @@ def greedy_matches(ours: list[int], theirs: list[int], ref_logprobs: torch.Tenso
 
 def compare(model_dir: Path, page_size: int, mixed_chunk: bool) -> int:
     """Run ringllm on the whole batch and check it against transformers; returns near-ties."""
-    llm = LLM(model_dir, dtype="float32", page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, num_pages=8192 // page_size,
-              mixed_chunk=mixed_chunk)
+    llm = LLM(
+        model_dir,
+        dtype="float32",
+        page_size=page_size,
+        max_prefill_tokens=CHUNK_BUDGET,
+        num_pages=8192 // page_size,
+        mixed_chunk=mixed_chunk,
+    )
     prompts = [list(p) for p in prompts_for(model_dir)]
     outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
     near_ties = 0

@@ -27,8 +27,7 @@ def served(tiny_model, smollm2, tmp_path):
 
 
 def chaos(*args: str) -> dict:
-    result = subprocess.run([sys.executable, "-m", "benchmarks.chaos", *args], cwd=ROOT, capture_output=True, text=True,
-                            timeout=400)
+    result = subprocess.run([sys.executable, "-m", "benchmarks.chaos", *args], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
     summary = orjson.loads(result.stdout.strip().splitlines()[-1])
     print(summary)
@@ -49,8 +48,20 @@ def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served
 
 def test_hung_engine_is_recovered_within_the_watchdog_timeout(served):
     watchdog = 2.0
-    summary = chaos("--model", str(served), "--kinds", "engine", "--signal", "stop", "--kills", "1",
-                    "--hang-timeout", str(watchdog), "--max-tokens", "96")
+    summary = chaos(
+        "--model",
+        str(served),
+        "--kinds",
+        "engine",
+        "--signal",
+        "stop",
+        "--kills",
+        "1",
+        "--hang-timeout",
+        str(watchdog),
+        "--max-tokens",
+        "96",
+    )
     assert_clean(summary)
     # the watchdog, then an engine's cold start (torch import, weights) and the streams' recompute: 4-4.5 s on
     # the quiet 2-core machine, up to 3x that beside other load; the default watchdog (60 s) would take far longer
@@ -90,8 +101,7 @@ def test_a_dead_api_worker_ends_only_its_own_connections(served, tmp_path):
 
 
 def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_path):
-    server = launch(served, tmp_path / "serve.log", "--api-workers", "2", "--max-running-requests", "2",
-                    "--max-queued-requests", "4")
+    server = launch(served, tmp_path / "serve.log", "--api-workers", "2", "--max-running-requests", "2", "--max-queued-requests", "4")
     try:
         body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 64, "ignore_eos": True}
 
@@ -113,12 +123,15 @@ def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_pa
             accepted = [r for r in results if r[0] == 200]
             assert len(refused) + len(accepted) == 60 and len(accepted) >= 6 and refused
             # at once: no queueing (13-25 ms quiet; up to 0.2 s seen for 60 connections on a loaded 2-core machine)
-            assert all(seconds < 1.0 and retry == "1" and answer["error"]["code"] == "overloaded"
-                       for _, seconds, answer, retry in refused), max(r[1] for r in refused)
+            assert all(
+                seconds < 1.0 and retry == "1" and answer["error"]["code"] == "overloaded" for _, seconds, answer, retry in refused
+            ), max(r[1] for r in refused)
             assert all(a["usage"]["completion_tokens"] == 64 for _, _, a, _ in accepted)
         growth = rss[-1] - rss[0]
-        print(f"overload: {len(refused)} of 60 refused, slowest 503 in {max(r[1] for r in refused) * 1e3:.1f} ms; "
-              f"server RSS changed {growth / 2**20:+.1f} MiB from burst 1 to burst 5")
+        print(
+            f"overload: {len(refused)} of 60 refused, slowest 503 in {max(r[1] for r in refused) * 1e3:.1f} ms; "
+            f"server RSS changed {growth / 2**20:+.1f} MiB from burst 1 to burst 5"
+        )
         assert growth < 32 << 20
     finally:
         assert server.stop() < 5
@@ -182,8 +195,9 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing(served, tmp_path)
         assert not list_segments(server_prefix(str(server.port)))
         # the spawn context's resource tracker exits a moment after the supervisor: the same grace
         # as the leak guard's, for the same reason
-        wait_for(lambda: not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 10,
-                 "the server's processes to exit")
+        wait_for(
+            lambda: not [p for p in children if p.is_running() and p.status() != psutil.STATUS_ZOMBIE], 10, "the server's processes to exit"
+        )
     finally:
         if server.proc.poll() is None:
             server.stop()

@@ -19,14 +19,23 @@ from tests.test_parity import NEW_TOKENS, greedy_matches, prompts_for, reference
 from tests.tiny_models import ARCHITECTURES
 from transport.segment import list_segments, server_prefix
 
-QUESTIONS = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?", "Say hello in French.",
-             "Who wrote Hamlet?", "What is the largest planet?", "Give me a synonym for happy.", "What color is the sky?"]
+QUESTIONS = [
+    "What is the capital of France?",
+    "Name three colors.",
+    "What is 2 + 2?",
+    "Say hello in French.",
+    "Who wrote Hamlet?",
+    "What is the largest planet?",
+    "Give me a synonym for happy.",
+    "What color is the sky?",
+]
 
 
 async def complete_ids(base_url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
     """Greedy completions of token-id prompts, all in flight at once; returns the generated ids."""
     body = dict(model=model, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
     async with aiohttp.ClientSession(base_url) as http:
+
         async def one(prompt: list[int]) -> list[int]:
             async with http.post("/v1/completions", json={**body, "prompt": prompt}) as reply:
                 assert reply.status == 200, await reply.text()
@@ -60,8 +69,7 @@ def test_smollm2_parity_through_every_process(smol_server, smollm2):
 
 
 async def stream_chat(http: aiohttp.ClientSession, model: str, question: str) -> str:
-    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0,
-            "stream": True}
+    body = {"model": model, "messages": [{"role": "user", "content": question}], "max_tokens": 24, "temperature": 0, "stream": True}
     text, finishes = [], []
     async with http.post("/v1/chat/completions", json=body) as reply:
         assert reply.status == 200, await reply.text()
@@ -90,8 +98,14 @@ def test_64_concurrent_streams_through_two_api_workers(smol_server):
 
 
 async def _drop_mid_stream(base_url: str, model: str) -> None:
-    body = {"model": model, "prompt": "Once upon a time, in a land far away,", "max_tokens": 2000, "ignore_eos": True,
-            "temperature": 0.8, "stream": True}
+    body = {
+        "model": model,
+        "prompt": "Once upon a time, in a land far away,",
+        "max_tokens": 2000,
+        "ignore_eos": True,
+        "temperature": 0.8,
+        "stream": True,
+    }
     async with aiohttp.ClientSession(base_url) as http:
         async with http.post("/v1/completions", json=body) as reply:
             chunks = 0
@@ -148,8 +162,7 @@ async def _long_generation_while_watching(server) -> list[float]:
     """Stream a long completion; meanwhile read every actor's heartbeat age from `ringllm status`."""
     from tests.conftest import ringllm
 
-    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "temperature": 0,
-            "stream": True}
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
     ages: list[float] = []
 
     async def watch() -> None:
@@ -175,8 +188,15 @@ def test_busy_actors_keep_their_heartbeat(smol_server):
 async def _stream_text(server, victim_pid: int | None = None) -> tuple[str, float | None]:
     """A seeded, sampled stream's text; with a victim, SIGKILL it after the 20th event and time the
     pause until the next one."""
-    body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 300, "ignore_eos": True, "stream": True,
-            "temperature": 0.8, "seed": 11}
+    body = {
+        "model": server.model,
+        "prompt": [5, 6, 7],
+        "max_tokens": 300,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0.8,
+        "seed": 11,
+    }
     async with aiohttp.ClientSession(server.base_url) as http:
         async with http.post("/v1/completions", json=body) as reply:
             texts, killed_at, pause = [], None, None
@@ -217,8 +237,14 @@ def test_ringllm_chat_streams_keeps_history_and_resets(smol_server):
     from tests.conftest import ROOT
 
     session = "What is the capital of France?\nAnd of Italy?\n/reset\nWhat is the capital of Germany?\n"
-    result = subprocess.run([sys.executable, "-m", "actors.cli", "chat", "--url", smol_server.base_url, "--temperature", "0"],
-                            input=session, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-m", "actors.cli", "chat", "--url", smol_server.base_url, "--temperature", "0"],
+        input=session,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr
     out = result.stdout
     assert f"chatting with {smol_server.model}" in out and "(history cleared)" in out

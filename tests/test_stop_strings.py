@@ -63,8 +63,9 @@ def actor(vocab: list[str] = VOCAB) -> DetokenizerActor:
     return detok
 
 
-def run(detok: DetokenizerActor, stops: list[str], chunks: list[list[int]], finish: str | None,
-        generated: tuple[int, ...] | list[int] = ()) -> tuple[str, str | None, bool]:
+def run(
+    detok: DetokenizerActor, stops: list[str], chunks: list[list[int]], finish: str | None, generated: tuple[int, ...] | list[int] = ()
+) -> tuple[str, str | None, bool]:
     """Push `chunks` of token ids through `_apply`, the last with `finish`: the text, finish and abort flag."""
     text, final, abort = "", None, False
     for i, new in enumerate(chunks):

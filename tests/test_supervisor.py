@@ -128,7 +128,9 @@ def test_second_server_on_a_port_is_refused(start_supervisor, server):
     first = start_supervisor(CHAIN)
     second = subprocess.run(
         [sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert second.returncode == 1 and "already runs" in second.stderr
     assert [r["restarts"] for r in first.status()] == [0, 0, 0]  # the running server is untouched
@@ -169,8 +171,13 @@ def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path
     log line had raised BrokenPipeError: a stop with a hung actor to kill broke off at its log line, before
     the kill and the sweep, and the supervisor then waited on its live actors forever."""
     monkeypatch.setenv("RINGLLM_PROBE_DIR", str(tmp_path))
-    proc = subprocess.Popen([sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, preexec_fn=stop_with_parent)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        preexec_fn=stop_with_parent,
+    )
     sup = RunningSupervisor(server, proc, Path(os.devnull))
     try:
         seen = b""

@@ -13,8 +13,9 @@ from tests.conftest import ROOT
 
 def test_vs_hf_quick_compares_equal_work_on_both_sides(smollm2, tmp_path):
     out = tmp_path / "vs-hf.json"
-    result = subprocess.run([sys.executable, "-m", "benchmarks.vs_hf", "--quick", "--out", str(out)], cwd=ROOT,
-                            capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        [sys.executable, "-m", "benchmarks.vs_hf", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert result.returncode == 0, result.stderr[-5000:]
     figures = orjson.loads(out.read_bytes())
     assert {"speedup", "ringllm_tok_per_s", "hf_tok_per_s", "model", "command"} <= set(figures)

@@ -11,16 +11,28 @@ from pathlib import Path
 import torch
 
 SHAPE = dict(
-    vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-    num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.3, tie_word_embeddings=False,
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.3,
+    tie_word_embeddings=False,
 )
 
 
 def _configs():
     from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    llama3_rope = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                   "original_max_position_embeddings": 64}
+    llama3_rope = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     return {
         "llama": (LlamaConfig, dict(rope_scaling=llama3_rope, rope_theta=10000.0)),
         "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),

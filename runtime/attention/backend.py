@@ -53,8 +53,7 @@ class GraphAttention(AttentionBackend, Protocol):
         """A prefill kernel for graphs of exactly `batch_size` sequences."""
         ...
 
-    def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None,
-                copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
+    def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None, copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
         """Plans `wrapper` (else the step's own kernel) for `meta`. `copies` (pinned host -> device, the
         caller's step inputs) are sent with the plan's own, in one launch where the backend can."""
         ...

@@ -48,16 +48,24 @@ class FlashInferAttention:
     def _graph_buffers(self, batch_size: int, max_pages: int) -> tuple[Tensor, Tensor, Tensor]:
         """kv indptr, kv indices and last page lengths, fixed for a graph's lifetime."""
         device = self.pool.device
-        return (torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
-                torch.zeros(max_pages, dtype=torch.int32, device=device),
-                torch.zeros(batch_size, dtype=torch.int32, device=device))
+        return (
+            torch.zeros(batch_size + 1, dtype=torch.int32, device=device),
+            torch.zeros(max_pages, dtype=torch.int32, device=device),
+            torch.zeros(batch_size, dtype=torch.int32, device=device),
+        )
 
     def decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
         """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
         indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, use_tensor_cores=True, paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices, paged_kv_last_page_len_buffer=last_page_len)
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=True,
+            paged_kv_indptr_buffer=indptr,
+            paged_kv_indices_buffer=indices,
+            paged_kv_last_page_len_buffer=last_page_len,
+        )
 
     def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
@@ -73,11 +81,16 @@ class FlashInferAttention:
         first plan fixes the most rows it takes, and with them its launch grid."""
         indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
         return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros_like(indptr), paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices, paged_kv_last_page_len_buf=last_page_len)
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            qo_indptr_buf=torch.zeros_like(indptr),
+            paged_kv_indptr_buf=indptr,
+            paged_kv_indices_buf=indices,
+            paged_kv_last_page_len_buf=last_page_len,
+        )
 
-    def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None,
-                copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
+    def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None, copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
         and the next prepare waits for them too."""
@@ -102,11 +115,26 @@ class FlashInferAttention:
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
         if isinstance(self.active, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
-            self.active.plan(kv_indptr, indices, last_page_len, *shape,
-                             q_data_type=pool.dtype, kv_data_type=pool.dtype, seq_lens=torch.from_numpy(meta.kv_lens))
+            self.active.plan(
+                kv_indptr,
+                indices,
+                last_page_len,
+                *shape,
+                q_data_type=pool.dtype,
+                kv_data_type=pool.dtype,
+                seq_lens=torch.from_numpy(meta.kv_lens),
+            )
         else:
-            self.active.plan(torch.from_numpy(meta.qo_indptr), kv_indptr, indices, last_page_len, *shape, causal=True,
-                             q_data_type=pool.dtype, kv_data_type=pool.dtype)
+            self.active.plan(
+                torch.from_numpy(meta.qo_indptr),
+                kv_indptr,
+                indices,
+                last_page_len,
+                *shape,
+                causal=True,
+                q_data_type=pool.dtype,
+                kv_data_type=pool.dtype,
+            )
 
     @property
     def rotates(self) -> bool:

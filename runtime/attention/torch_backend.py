@@ -39,8 +39,9 @@ class TorchAttention:
             mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
             self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.dtype, device=device).masked_fill_(mask, float("-inf")))
             return
-        self._pages = [torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device)
-                       for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])]
+        self._pages = [
+            torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device) for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])
+        ]
 
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
@@ -68,7 +69,8 @@ class TorchAttention:
             if 1 < q_len < kv_len:  # after a cached prefix: query i sits at position kv_len - q_len + i
                 mask = torch.arange(kv_len, device=q.device)[None, :] <= kv_len - q_len + torch.arange(q_len, device=q.device)[:, None]
             # 4-D, batch of one: torch routes 3-D GQA inputs to its slow unfused math kernel
-            attended = F.scaled_dot_product_attention(q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask,
-                                                      is_causal=1 < q_len == kv_len, enable_gqa=True)
+            attended = F.scaled_dot_product_attention(
+                q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=1 < q_len == kv_len, enable_gqa=True
+            )
             out[rows] = attended[0].transpose(0, 1)
         return out

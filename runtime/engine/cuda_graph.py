@@ -35,6 +35,7 @@ T = TypeVar("T")
 
 # Capture and timing, shared with runtime.engine.gemm_tuner.
 
+
 def capture(run: Callable[[], T], pool: Pool | None = None) -> tuple[torch.cuda.CUDAGraph, T]:
     """A graph of `run` and its static output. One eager run comes first, so that lazy initialisation
     (and Triton's compiles) stays out of the graph."""
@@ -82,8 +83,10 @@ def padding_choice(times: dict[int, float], margin: float = 0.95) -> dict[int, i
     """Captured size -> the size its steps replay: itself, unless a graph at most twice as large
     (or up to 8) replayed faster by more than the margin. The cap bounds what a GPU busy with
     something else during start-up (another server starting) can make every size pay."""
-    return {bs: min((big for big in times if bs < big <= max(2 * bs, 8) and times[big] < margin * times[bs]),
-                    key=times.__getitem__, default=bs) for bs in times}
+    return {
+        bs: min((big for big in times if bs < big <= max(2 * bs, 8) and times[big] < margin * times[bs]), key=times.__getitem__, default=bs)
+        for bs in times
+    }
 
 
 def pad_meta(meta: AttentionMeta, tokens: int, seqs: int, scratch_page: int, page_size: int) -> AttentionMeta:
@@ -94,9 +97,12 @@ def pad_meta(meta: AttentionMeta, tokens: int, seqs: int, scratch_page: int, pag
     q_lens[0] = tokens - meta.qo_indptr[-1] - (len(q_lens) - 1)
     pages = -(-q_lens // page_size)
     grown = lambda head, tail: np.concatenate([head, head[-1] + np.cumsum(tail)]).astype(np.int32)  # noqa: E731
-    return AttentionMeta(grown(meta.qo_indptr, q_lens), grown(meta.kv_indptr, pages),
-                         np.concatenate([meta.kv_indices, np.full(pages.sum(), scratch_page, np.int32)]),
-                         np.concatenate([meta.kv_lens, q_lens]).astype(np.int32))
+    return AttentionMeta(
+        grown(meta.qo_indptr, q_lens),
+        grown(meta.kv_indptr, pages),
+        np.concatenate([meta.kv_indices, np.full(pages.sum(), scratch_page, np.int32)]),
+        np.concatenate([meta.kv_lens, q_lens]).astype(np.int32),
+    )
 
 
 def context_meta(seqs: int, context: int, pool: KVPool) -> AttentionMeta:
@@ -104,8 +110,12 @@ def context_meta(seqs: int, context: int, pool: KVPool) -> AttentionMeta:
     those pages (as they are) and write nothing there."""
     pages = -(-context // pool.page_size)
     indices = np.arange(seqs * pages) % (len(pool.kv[0]) - 1)
-    return AttentionMeta(np.arange(seqs + 1, dtype=np.int32), (np.arange(seqs + 1) * pages).astype(np.int32),
-                         indices.astype(np.int32), np.full(seqs, context, np.int32))
+    return AttentionMeta(
+        np.arange(seqs + 1, dtype=np.int32),
+        (np.arange(seqs + 1) * pages).astype(np.int32),
+        indices.astype(np.int32),
+        np.full(seqs, context, np.int32),
+    )
 
 
 def no_sequences() -> AttentionMeta:
@@ -130,8 +140,15 @@ class DecodeGraphs:
     at few sequences), and keep the graph that replayed faster over sequences of TIMING_CONTEXT tokens."""
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, attention: GraphAttention, max_batch_size: int, max_pages_per_seq: int,
-                 scratch_page: int, last_tokens: torch.Tensor) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: GraphAttention,
+        max_batch_size: int,
+        max_pages_per_seq: int,
+        scratch_page: int,
+        last_tokens: torch.Tensor,
+    ) -> None:
         self.sizes = capture_sizes(max_batch_size)
         self.attention, self.scratch_page = attention, scratch_page
         self.page_size = attention.pool.page_size
@@ -155,8 +172,9 @@ class DecodeGraphs:
             wrappers = {"flashinfer": attention.decode_graph_wrapper(bs, pages)}
             if bs <= TRITON_DECODE_MAX_BS and (triton := attention.triton_decode_graph_wrapper(bs, pages)) is not None:
                 wrappers["triton"] = triton
-            batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T,
-                                 pad_meta(no_sequences(), bs, bs, scratch_page, self.page_size))
+            batch = ForwardBatch(
+                self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T, pad_meta(no_sequences(), bs, bs, scratch_page, self.page_size)
+            )
             captured = {}
             for name, wrapper in wrappers.items():
                 attention.prepare(batch.meta, wrapper)
@@ -180,8 +198,9 @@ class DecodeGraphs:
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.sizes[-1]
 
-    def replay(self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray,
-               slots: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    def replay(
+        self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray, slots: np.ndarray
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [n, vocab] of a decode-only step of n sequences, and their slots on the device."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
@@ -209,8 +228,16 @@ class PrefillGraphs:
     any rows up to the captured count, splitting the KV of long sequences across blocks as needed."""
 
     @torch.inference_mode()
-    def __init__(self, model: nn.Module, attention: GraphAttention, max_tokens: int, max_pages_per_seq: int,
-                 scratch_page: int, device: torch.device, pool: Pool | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        attention: GraphAttention,
+        max_tokens: int,
+        max_pages_per_seq: int,
+        scratch_page: int,
+        device: torch.device,
+        pool: Pool | None = None,
+    ) -> None:
         shapes = [(t, s) for t in PREFILL_GRAPH_TOKENS if t <= max_tokens for s in PREFILL_GRAPH_SEQS]
         self.attention, self.scratch_page = attention, scratch_page
         self.page_size = attention.pool.page_size
@@ -224,8 +251,12 @@ class PrefillGraphs:
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         for tokens, seqs in sorted(shapes, reverse=True):  # largest first: the rest reuse its memory
             wrapper = attention.prefill_graph_wrapper(seqs, seqs * max_pages_per_seq + tokens // self.page_size + 1)
-            batch = ForwardBatch(self.input_ids[:tokens], self.positions[:tokens], self.rows[:tokens],
-                                 pad_meta(no_sequences(), tokens, seqs, scratch_page, self.page_size))
+            batch = ForwardBatch(
+                self.input_ids[:tokens],
+                self.positions[:tokens],
+                self.rows[:tokens],
+                pad_meta(no_sequences(), tokens, seqs, scratch_page, self.page_size),
+            )
             try:
                 attention.prepare(batch.meta, wrapper)
             except Exception as error:  # flashinfer's plan refuses, e.g. split-KV partials beyond its workspace

@@ -37,8 +37,14 @@ from runtime.step import Sampled, StepPlan
 
 log = structlog.get_logger()
 
-DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-          "float16": torch.float16, "fp16": torch.float16}
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -135,20 +141,32 @@ class Engine:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
             one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
-            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page,
-                                       self.last_tokens)
+            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
         if graphs and config.cuda_graph_max_prefill_tokens:
-            self.prefill_graphs = PrefillGraphs(self.model, self.attention, config.cuda_graph_max_prefill_tokens,
-                                                self.max_pages_per_seq, self.scratch_page, self.device,
-                                                self.graphs.pool if self.graphs else None)
+            self.prefill_graphs = PrefillGraphs(
+                self.model,
+                self.attention,
+                config.cuda_graph_max_prefill_tokens,
+                self.max_pages_per_seq,
+                self.scratch_page,
+                self.device,
+                self.graphs.pool if self.graphs else None,
+            )
         self._warm_up()
-        log.info("engine_ready", architecture=cfg.architecture, dtype=str(self.dtype), device=str(self.device),
-                 pages=self.num_pages, kv_tokens=self.num_pages * config.page_size,
-                 cuda_graphs=self.graphs.sizes if self.graphs else None, few_row_kernels=few_row_gemms,
-                 one_row_fused=one_row_fused,
-                 decode_attention=self.graphs.attention_kernels if self.graphs else None,
-                 prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
-                 padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None)
+        log.info(
+            "engine_ready",
+            architecture=cfg.architecture,
+            dtype=str(self.dtype),
+            device=str(self.device),
+            pages=self.num_pages,
+            kv_tokens=self.num_pages * config.page_size,
+            cuda_graphs=self.graphs.sizes if self.graphs else None,
+            few_row_kernels=few_row_gemms,
+            one_row_fused=one_row_fused,
+            decode_attention=self.graphs.attention_kernels if self.graphs else None,
+            prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
+            padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None,
+        )
 
     @torch.inference_mode()
     def _warm_up(self) -> None:
@@ -157,11 +175,11 @@ class Engine:
         timeout, not under a request's watchdog."""
         n = min(8, self.config.page_size)
         positions = np.arange(n, dtype=np.int64)
-        meta = AttentionMeta(np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32),
-                             np.array([n], np.int32))
+        meta = AttentionMeta(
+            np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32), np.array([n], np.int32)
+        )
         rows = kv_rows(np.full(n, self.scratch_page), positions, self.config.page_size)
-        batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions),
-                             self._to_device(rows), meta)
+        batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions), self._to_device(rows), meta)
         self.attention.prepare(meta)
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
         if self.device.type == "cuda":  # a kernel's fault surfaces here, and the draws' pinned buffers are done with
@@ -224,8 +242,7 @@ class Engine:
         np.cumsum(seq_pages, out=kv_indptr[1:])
         table = self.page_table[seq_slots, : int(seq_pages.max())]
         kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
-        meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32),
-                             kv_lens.astype(np.int32))
+        meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32), kv_lens.astype(np.int32))
 
         sampled = [i for i, c in enumerate(plan.chunks) if c.sample] + list(range(len(chunk_slots), len(seq_slots)))
         sample_slots = seq_slots[sampled]
@@ -272,14 +289,14 @@ class Engine:
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)
 
-    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample,
-                 host: torch.Tensor) -> PendingStep:
+    def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample, host: torch.Tensor) -> PendingStep:
         """`host` holds the draws (in pinned memory on CUDA, written by the step); the step's event
         covers them: reading them must not wait on later steps."""
         if self.device.type == "cuda":
             if drawn.logprob_rows:
                 drawn.top_ids, drawn.top_values, drawn.chosen = (
-                    t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen))
+                    t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen)
+                )
             done = torch.cuda.Event()
             done.record()
             step = PendingStep(states, slots, rows, drawn, host, done)

@@ -102,8 +102,9 @@ def _winner(times: dict[str, float], baseline: str, margin: float = MARGIN) -> s
     return best if times[best] < margin * times[baseline] else baseline
 
 
-def _fastest_kernels(linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable | None,
-                     gemv_kernel) -> dict[int, tuple[str, Kernel]]:
+def _fastest_kernels(
+    linears: list[nn.Linear], row_counts: Iterable[int], tinygemm: Callable | None, gemv_kernel
+) -> dict[int, tuple[str, Kernel]]:
     """Row count -> the kernel (not cuBLAS), by name, that ran these linears (one weight shape, each with
     its own bias or none) fastest there."""
     weight = linears[0].weight
@@ -113,8 +114,9 @@ def _fastest_kernels(linears: list[nn.Linear], row_counts: Iterable[int], tinyge
         if len(kernels) == 1:
             continue
         x = torch.randn(rows, weight.shape[1], dtype=weight.dtype, device=weight.device)
-        times = cuda_graph.time_captured({name: lambda run=run, x=x: [run(x, linear.weight, linear.bias) for linear in linears]
-                                          for name, run in kernels.items()})
+        times = cuda_graph.time_captured(
+            {name: lambda run=run, x=x: [run(x, linear.weight, linear.bias) for linear in linears] for name, run in kernels.items()}
+        )
         name = _winner(times, "cublas")
         if name != "cublas":
             won[rows] = (name, kernels[name])
@@ -163,8 +165,9 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
 
     Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
 
-    def tiled(prefix: str, kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
-              call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+    def tiled(
+        prefix: str, kernel: Callable, linear: Callable[[DecoderLayer], nn.Module], call: Callable[[Callable, DecoderLayer], object]
+    ) -> Ways:
         """The kernel at each tile of the linear's shape."""
         found: Ways = {}
         for tile in gemv_kernel.tiles(*linear(first).weight.shape):
@@ -172,27 +175,45 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
             found[prefix + "{}x{}".format(*tile)] = (lambda k=tiled_kernel: [call(k, layer) for layer in layers], tiled_kernel)
         return found
 
-    def ways(pair: Callable[[DecoderLayer], object], kernel: Callable, linear: Callable[[DecoderLayer], nn.Module],
-             fused_call: Callable[[Callable, DecoderLayer], object]) -> Ways:
+    def ways(
+        pair: Callable[[DecoderLayer], object],
+        kernel: Callable,
+        linear: Callable[[DecoderLayer], nn.Module],
+        fused_call: Callable[[Callable, DecoderLayer], object],
+    ) -> Ways:
         """The pair as it stands, and the fused kernel at each tile of the linear's shape."""
         return {"pair": (lambda: [pair(layer) for layer in layers], None), **tiled("fused", kernel, linear, fused_call)}
 
     def norm_ways(norm: Callable[[DecoderLayer], nn.Module], linear: Callable[[DecoderLayer], nn.Module]) -> Ways:
         x, r = h.clone(), residual.clone()  # the pair's norm adds and normalises in place
-        return ways(lambda layer: linear(layer)(norm(layer)(x, r)[0]), gemv_kernel.norm_linear, linear,
-                    lambda fused, layer: fused(h, residual, norm(layer), linear(layer)))
+        return ways(
+            lambda layer: linear(layer)(norm(layer)(x, r)[0]),
+            gemv_kernel.norm_linear,
+            linear,
+            lambda fused, layer: fused(h, residual, norm(layer), linear(layer)),
+        )
 
     pairs = {
         "qkv": norm_ways(lambda layer: layer.input_layernorm, lambda layer: layer.self_attn.qkv_proj),
         "gate_up": norm_ways(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),
-        "down": ways(lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)), gemv_kernel.silu_linear,
-                     lambda layer: layer.mlp.down_proj, lambda fused, layer: fused(gate_up, layer.mlp.down_proj)),
+        "down": ways(
+            lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)),
+            gemv_kernel.silu_linear,
+            lambda layer: layer.mlp.down_proj,
+            lambda fused, layer: fused(gate_up, layer.mlp.down_proj),
+        ),
     }
-    o_adds = tiled("add", gemv_kernel.linear_add, lambda layer: layer.self_attn.o_proj,  # the residual add in o_proj's epilogue
-                   lambda o_add, layer: o_add(attended, layer.self_attn.o_proj, residual))
+    o_adds = tiled(
+        "add",
+        gemv_kernel.linear_add,
+        lambda layer: layer.self_attn.o_proj,  # the residual add in o_proj's epilogue
+        lambda o_add, layer: o_add(attended, layer.self_attn.o_proj, residual),
+    )
     try:
-        times = {name: cuda_graph.time_captured({way: run for way, (run, _) in candidates.items()})
-                 for name, candidates in {**pairs, "o_proj": o_adds}.items()}
+        times = {
+            name: cuda_graph.time_captured({way: run for way, (run, _) in candidates.items()})
+            for name, candidates in {**pairs, "o_proj": o_adds}.items()
+        }
     except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
         log.warning("one_row_fusion_unusable", error=str(exc)[:200])
         return {}
@@ -200,8 +221,9 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
     best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
     summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
-    layer_times = cuda_graph.time_captured({way: lambda f=f: _layer_projections(layers, f, h, attended)
-                                            for way, f in (("as chosen", fusion), ("fused stream", summed))})
+    layer_times = cuda_graph.time_captured(
+        {way: lambda f=f: _layer_projections(layers, f, h, attended) for way, f in (("as chosen", fusion), ("fused stream", summed))}
+    )
     log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
     if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
         fusion, chosen = summed, {**best, "stream": "summed"}

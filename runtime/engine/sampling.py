@@ -96,8 +96,9 @@ def _gumbel_argmax_kernel():
 _KERNEL = _gumbel_argmax_kernel() if torch.cuda.is_available() else None
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None,
-                  feedback: Feedback | None = None) -> torch.Tensor:
+def gumbel_argmax(
+    scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None, feedback: Feedback | None = None
+) -> torch.Tensor:
     """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0 or without temperatures."""
     if scores.is_cuda and _KERNEL is not None:
         return _KERNEL(scores, temperatures, keys, feedback and (feedback.last_tokens, feedback.slots, feedback.host))
@@ -175,8 +176,11 @@ def warm_up_draws(logits: torch.Tensor, last_tokens: torch.Tensor) -> None:
 
         counts.append(FEW_ROWS + 1)
     for rows in counts:
-        feedback = Feedback(last_tokens, torch.zeros(rows, dtype=torch.int64, device=logits.device),
-                            torch.empty(rows, dtype=torch.int64, pin_memory=logits.is_cuda))
+        feedback = Feedback(
+            last_tokens,
+            torch.zeros(rows, dtype=torch.int64, device=logits.device),
+            torch.empty(rows, dtype=torch.int64, pin_memory=logits.is_cuda),
+        )
         for params in DRAW_KINDS:
             sample(logits.repeat(rows, 1), [SampleRow(params, 0, 0, [], [])] * rows, feedback)
 

@@ -61,8 +61,7 @@ def prepack_linears(model: nn.Module, dtype: torch.dtype) -> str:
     """Swap every nn.Linear for a faster module; returns which: `skinny`, `onednn` or `torch` (none)."""
     if dtype not in PACKED_DTYPES or not torch.backends.mkldnn.is_available():
         return "torch"
-    skinny = dtype == torch.float32 and cpu_kernels.available() and all(
-        linear.in_features % 8 == 0 for _, _, linear in linear_slots(model))
+    skinny = dtype == torch.float32 and cpu_kernels.available() and all(linear.in_features % 8 == 0 for _, _, linear in linear_slots(model))
     embeddings = {m.weight.data_ptr() for m in model.modules() if isinstance(m, nn.Embedding)}
     try:
         for parent, name, linear in linear_slots(model):

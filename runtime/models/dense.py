@@ -17,8 +17,13 @@ from runtime.kernels.rope import Rope
 from runtime.models.layers import FusedOps, RMSNorm, rope_cos_sin_cache
 
 # checkpoint name part -> (our parameter name part, shard index)
-STACKED = {"q_proj": ("qkv_proj", 0), "k_proj": ("qkv_proj", 1), "v_proj": ("qkv_proj", 2),
-           "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+STACKED = {
+    "q_proj": ("qkv_proj", 0),
+    "k_proj": ("qkv_proj", 1),
+    "v_proj": ("qkv_proj", 2),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
 
 
 class Attention(nn.Module):
@@ -41,11 +46,13 @@ class Attention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         if self.ops.rope_kv_write is not None and backend.rotates:  # decode attention does the rope pass's work itself
-            return backend.forward(self.layer, qkv.view(tokens, -1, self.head_dim), batch,
-                                   Rope(rope_tables, *norms, self.eps)).reshape(tokens, self.q_size)
+            return backend.forward(self.layer, qkv.view(tokens, -1, self.head_dim), batch, Rope(rope_tables, *norms, self.eps)).reshape(
+                tokens, self.q_size
+            )
         if self.ops.rope_kv_write is not None:
-            self.ops.rope_kv_write(qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer),
-                                   batch.kv_rows, self.heads, self.kv_heads)
+            self.ops.rope_kv_write(
+                qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer), batch.kv_rows, self.heads, self.kv_heads
+            )
         else:
             if self.qk_norm:  # per-head norms, written back for the in-place rotation
                 qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
@@ -80,8 +87,7 @@ class OneRowFusion:
 NO_FUSION = OneRowFusion()
 
 
-def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm,
-                     linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
     """linear(norm(h + residual)) and the new residual (h where there is none yet)."""
     if residual is None:
         return linear(norm(h)), h
@@ -98,14 +104,16 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.one_row = NO_FUSION
 
-    def forward(self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch,
-                backend: AttentionBackend) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward(
+        self, h: torch.Tensor, residual: torch.Tensor | None, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """h: the previous layer's output, not yet added to `residual` (None where there is none)."""
         fused = self.one_row if h.shape[0] == 1 else NO_FUSION
         return self.forward_with(h, residual, lambda qkv: self.self_attn.attend(qkv, rope, batch, backend), fused)
 
-    def forward_with(self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor],
-                     fused: OneRowFusion) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def forward_with(
+        self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor], fused: OneRowFusion
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward, with attention as `attend` (qkv -> attended rows): how start-up times a fusion."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)

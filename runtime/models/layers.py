@@ -64,6 +64,7 @@ class FusedOps:
 
 def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
     """The CUDA norm kernels take [rows, hidden]; q/k norms come as [tokens, heads, head_dim]."""
+
     def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
         return kernel(x.reshape(-1, x.shape[-1]).contiguous(), weight, eps).view(x.shape)
 
@@ -94,8 +95,14 @@ def _sgl_kernel() -> FusedOps:
         sgl_kernel.rotary_embedding(positions, q, k, qk.shape[-1], cos_sin, True)
 
     fused = _triton_rope_kv_write()  # its cache is fp32; sgl-kernel's rope wants the activation dtype
-    return FusedOps(_rows(sgl_kernel.rmsnorm), _in_place_add_norm(sgl_kernel.fused_add_rmsnorm), sgl_kernel.silu_and_mul,
-                    rope, fused, rope_cache_fp32=fused is not None)
+    return FusedOps(
+        _rows(sgl_kernel.rmsnorm),
+        _in_place_add_norm(sgl_kernel.fused_add_rmsnorm),
+        sgl_kernel.silu_and_mul,
+        rope,
+        fused,
+        rope_cache_fp32=fused is not None,
+    )
 
 
 def _flashinfer() -> FusedOps:
@@ -105,8 +112,14 @@ def _flashinfer() -> FusedOps:
         q, k = qk[:, :heads].view(len(qk), -1), qk[:, heads:].view(len(qk), -1)
         flashinfer.rope.apply_rope_with_cos_sin_cache_inplace(positions, q, k, qk.shape[-1], cos_sin, True)
 
-    return FusedOps(_rows(flashinfer.norm.rmsnorm), _in_place_add_norm(flashinfer.norm.fused_add_rmsnorm),
-                    flashinfer.activation.silu_and_mul, rope, _triton_rope_kv_write(), rope_cache_fp32=True)
+    return FusedOps(
+        _rows(flashinfer.norm.rmsnorm),
+        _in_place_add_norm(flashinfer.norm.fused_add_rmsnorm),
+        flashinfer.activation.silu_and_mul,
+        rope,
+        _triton_rope_kv_write(),
+        rope_cache_fp32=True,
+    )
 
 
 def _ringllm_cpu() -> FusedOps:
@@ -115,8 +128,7 @@ def _ringllm_cpu() -> FusedOps:
     if not cpu_kernels.available():
         raise ImportError("ringllm's CPU kernels are not built here")
     ops = torch.ops.ringllm_cpu
-    return FusedOps(ops.rms_norm, _in_place_add_norm(ops.add_rms_norm), ops.silu_and_mul, torch_rope,
-                    rope_tables=torch_rope_tables)
+    return FusedOps(ops.rms_norm, _in_place_add_norm(ops.add_rms_norm), ops.silu_and_mul, torch_rope, rope_tables=torch_rope_tables)
 
 
 FUSED_OPS: dict[str, Callable[[], FusedOps]] = {
@@ -146,8 +158,7 @@ def select_fused_ops(device: torch.device, dtype: torch.dtype, prefer: str | Non
 
 
 def linear_slots(model: nn.Module) -> list[tuple[nn.Module, str, nn.Linear]]:
-    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children()
-            if isinstance(child, nn.Linear)]
+    return [(parent, name, child) for parent in model.modules() for name, child in parent.named_children() if isinstance(child, nn.Linear)]
 
 
 class RMSNorm(nn.Module):

@@ -19,8 +19,9 @@ log = structlog.get_logger()
 IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
 
 
-def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool,
-                fused_ops: str | None = None) -> nn.Module:
+def build_model(
+    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool, fused_ops: str | None = None
+) -> nn.Module:
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)
@@ -44,8 +45,13 @@ def build_model(cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: t
 
 def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
     params = dict(model.named_parameters())  # tied weights appear once
-    shards = {f"{prefix}.{kind}": module.shard_sizes for prefix, module in model.named_modules()
-              if hasattr(module, "shard_sizes") for kind in ("weight", "bias") if f"{prefix}.{kind}" in params}
+    shards = {
+        f"{prefix}.{kind}": module.shard_sizes
+        for prefix, module in model.named_modules()
+        if hasattr(module, "shard_sizes")
+        for kind in ("weight", "bias")
+        if f"{prefix}.{kind}" in params
+    }
 
     def destination(name: str) -> tuple[str, torch.Tensor] | None:
         """Where a checkpoint tensor goes: its parameter, or its rows of a stacked one."""

@@ -55,14 +55,20 @@ def configure_logging(actor: str, level: str | None = None) -> None:
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
-            *([structlog.dev.ConsoleRenderer(colors=False)] if console else [
-                structlog.processors.dict_tracebacks,
-                # OPT_NON_STR_KEYS: a field {1: 8} must not kill an actor
-                structlog.processors.JSONRenderer(serializer=orjson.dumps, option=orjson.OPT_NON_STR_KEYS)]),
+            *(
+                [structlog.dev.ConsoleRenderer(colors=False)]
+                if console
+                else [
+                    structlog.processors.dict_tracebacks,
+                    # OPT_NON_STR_KEYS: a field {1: 8} must not kill an actor
+                    structlog.processors.JSONRenderer(serializer=orjson.dumps, option=orjson.OPT_NON_STR_KEYS),
+                ]
+            ),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=(structlog.WriteLoggerFactory(_Stderr(sys.stderr)) if console
-                        else structlog.BytesLoggerFactory(_Stderr(sys.stderr.buffer))),
+        logger_factory=(
+            structlog.WriteLoggerFactory(_Stderr(sys.stderr)) if console else structlog.BytesLoggerFactory(_Stderr(sys.stderr.buffer))
+        ),
         cache_logger_on_first_use=True,
     )
     bind_process(actor=actor, pid=os.getpid())

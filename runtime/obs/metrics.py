@@ -9,11 +9,54 @@ from pathlib import Path
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
 
-TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
-                40.0, 80.0, 160.0, 640.0, 2560.0)
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
 ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
-REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
-                           240.0, 480.0, 960.0, 1920.0, 7680.0)
+REQUEST_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
 STEP_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512, 1.024, 2.048, 4.096)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
@@ -31,29 +74,25 @@ class Metrics:
 
         model = ("model_name",)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", model, buckets=TTFT_BUCKETS)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a stream.", model,
-                             buckets=ITL_BUCKETS)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", model,
-                             buckets=REQUEST_LATENCY_BUCKETS)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a stream.", model, buckets=ITL_BUCKETS)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", model, buckets=REQUEST_LATENCY_BUCKETS)
         self.success = Counter("vllm:request_success", "Finished requests.", (*model, "finished_reason"))
-        self.queue_time = Histogram("vllm:request_queue_time_seconds", "Time a request waited to be scheduled.", model,
-                                    buckets=REQUEST_LATENCY_BUCKETS)
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds", "Time a request waited to be scheduled.", model, buckets=REQUEST_LATENCY_BUCKETS
+        )
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", model)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", model)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", model)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", model)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model,
-                             multiprocess_mode="mostrecent")
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model,
-                             multiprocess_mode="mostrecent")
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", model,
-                              multiprocess_mode="mostrecent")
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model, multiprocess_mode="mostrecent")
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model, multiprocess_mode="mostrecent")
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", model, multiprocess_mode="mostrecent")
         self.batch_size = Histogram("ringllm:batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS)
-        self.step_duration = Histogram("ringllm:step_duration_seconds", "Device time of one engine step.",
-                                       buckets=STEP_BUCKETS)
+        self.step_duration = Histogram("ringllm:step_duration_seconds", "Device time of one engine step.", buckets=STEP_BUCKETS)
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
-        self.ring_occupancy = Gauge("ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.",
-                                    ("edge",), multiprocess_mode="mostrecent")
+        self.ring_occupancy = Gauge(
+            "ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.", ("edge",), multiprocess_mode="mostrecent"
+        )
 
 
 _metrics: Metrics | None = None

@@ -20,8 +20,7 @@ STAGES = {
     "ttft": (("api", "received"), ("api", "first_token")),
     "e2e": (("api", "received"), ("api", "finished")),
 }
-REQUEST_EVENTS = {"received", "tokenized", "queued", "scheduled", "prefill_done", "first_token", "finished", "aborted",
-                  "failed"}
+REQUEST_EVENTS = {"received", "tokenized", "queued", "scheduled", "prefill_done", "first_token", "finished", "aborted", "failed"}
 
 
 def read_events(lines: Iterable[bytes], rid: str) -> list[dict]:
@@ -59,8 +58,10 @@ def render(rid: str, events: list[dict]) -> str:
     skip = {"event", "timestamp", "t", "actor", "pid", "epoch", "level", "rid"}
     for event in events:
         fields = " ".join(f"{k}={v}" for k, v in event.items() if k not in skip)
-        lines.append(f"  +{(event['t'] - t0) * 1e3:10.3f} ms  {event.get('actor', '?'):<11} pid {event.get('pid', '?'):<7} "
-                     f"epoch {event.get('epoch', '?'):<3} {event['event']:<13} {fields}")
+        lines.append(
+            f"  +{(event['t'] - t0) * 1e3:10.3f} ms  {event.get('actor', '?'):<11} pid {event.get('pid', '?'):<7} "
+            f"epoch {event.get('epoch', '?'):<3} {event['event']:<13} {fields}"
+        )
     lines.append("stages: " + " | ".join(f"{name} {seconds * 1e3:.3f} ms" for name, seconds in stages(events).items()))
     return "\n".join(lines)
 

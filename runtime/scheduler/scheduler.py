@@ -150,7 +150,9 @@ class Scheduler:
         self.admitted.append(request)
         self._by_slot[request.slot] = request
         self.running.append(request)
-        plan.new_slots.append(NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed))
+        plan.new_slots.append(
+            NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed)
+        )
         if request.pages:
             plan.pages.append((request.slot, list(request.pages)))
         return True

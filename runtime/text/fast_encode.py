@@ -21,9 +21,11 @@ Encode = Callable[[list[str]], Iterable[list[int]]]
 MAX_CHARS = 100_000  # longer texts go to transformers: tiktoken's regex gives up on long runs
 ENCODE_THREADS = min(8, os.cpu_count() or 1)
 
-SAMPLE = ("Hello world!  It's 2026-11-22, 3.14159 and 1234567 units.\n\n\tIndented\r\nline   with  spaces  \n"
-          "Ünïcödé: naïve café, Straße, 東京は晴れ。 Привет, мир! مرحبا 🙂👍🏽 <|im_start|>user\nhi<|im_end|>"
-          "<think>x</think> don't we'll I'M, cafe\u0301 A\u030a")
+SAMPLE = (
+    "Hello world!  It's 2026-11-22, 3.14159 and 1234567 units.\n\n\tIndented\r\nline   with  spaces  \n"
+    "Ünïcödé: naïve café, Straße, 東京は晴れ。 Привет, мир! مرحبا 🙂👍🏽 <|im_start|>user\nhi<|im_end|>"
+    "<think>x</think> don't we'll I'M, cafe\u0301 A\u030a"
+)
 
 
 def encode_with_transformers(tokenizer: Any, texts: list[str]) -> list[list[int]]:
@@ -36,8 +38,14 @@ def _pattern(pre_tokenizer: dict | None) -> str | None:
     if len(steps) != 2:
         return None
     split, byte_level = steps
-    if (split.get("type") != "Split" or split.get("behavior") != "Isolated" or split.get("invert")
-            or byte_level.get("type") != "ByteLevel" or byte_level.get("use_regex", True) or byte_level.get("add_prefix_space")):
+    if (
+        split.get("type") != "Split"
+        or split.get("behavior") != "Isolated"
+        or split.get("invert")
+        or byte_level.get("type") != "ByteLevel"
+        or byte_level.get("use_regex", True)
+        or byte_level.get("add_prefix_space")
+    ):
         return None
     return split.get("pattern", {}).get("Regex")
 
@@ -49,8 +57,9 @@ def _merges_follow_ids(vocab: dict[str, int], merges: list) -> bool:
     if min(merged, default=0) < 0 or any(x > y for x, y in zip(merged, merged[1:])):
         return False
     listed = set(pairs)
-    return all((token[:k], token[k:]) in listed for token in vocab for k in range(1, len(token))
-               if token[:k] in vocab and token[k:] in vocab)
+    return all(
+        (token[:k], token[k:]) in listed for token in vocab for k in range(1, len(token)) if token[:k] in vocab and token[k:] in vocab
+    )
 
 
 def _plain_added_tokens(spec: dict[str, Any], tokenizer: Any) -> dict[str, int] | None:
@@ -68,8 +77,13 @@ def _encoding(spec: dict[str, Any], tokenizer: Any, name: str) -> Any | None:
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     model, pattern = spec.get("model") or {}, _pattern(spec.get("pre_tokenizer"))
-    if (model.get("type") != "BPE" or model.get("byte_fallback") or not model.get("ignore_merges") or pattern is None
-            or spec.get("normalizer") not in (None, {"type": "NFC"})):
+    if (
+        model.get("type") != "BPE"
+        or model.get("byte_fallback")
+        or not model.get("ignore_merges")
+        or pattern is None
+        or spec.get("normalizer") not in (None, {"type": "NFC"})
+    ):
         return None
     special = _plain_added_tokens(spec, tokenizer)
     if special is None or not _merges_follow_ids(model["vocab"], model["merges"]):

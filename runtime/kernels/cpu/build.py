@@ -49,11 +49,9 @@ def available() -> bool:
         with open(folder / "build.flock", "w") as held:
             fcntl.flock(held, fcntl.LOCK_EX)
             (folder / "lock").unlink(missing_ok=True)
-            load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False,
-                 build_directory=str(folder))
+            load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, build_directory=str(folder))
     except Exception as exc:  # no compiler, no ninja, a torch without headers: the torch path still works
         lines = str(exc).splitlines() or [type(exc).__name__]
         log.warning("cpu_kernels_unavailable", error=next((line for line in lines if "error" in line), lines[0])[:300])
         return False
     return True
-

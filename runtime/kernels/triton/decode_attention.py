@@ -16,8 +16,7 @@ BLOCK_T = 32
 
 
 @triton.jit
-def _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE: tl.constexpr, KV_HEADS: tl.constexpr,
-            DIM: tl.constexpr):
+def _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE: tl.constexpr, KV_HEADS: tl.constexpr, DIM: tl.constexpr):
     """Pool offsets of tokens `t`'s K rows for this KV head; V rows are PAGE rows on."""
     page = tl.load(kv_indices_ptr + first_page + t // PAGE, mask=live_t, other=0).to(tl.int64)
     return (page * (2 * PAGE) + t % PAGE) * (KV_HEADS * DIM) + kv_head * DIM
@@ -37,10 +36,32 @@ def _normed_rotated(row, heads, live, d, cos, signed_sin, norm_ptr, eps, DIM: tl
 
 
 @triton.jit
-def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
-                  scale, cos_sin_ptr, q_norm_ptr, k_norm_ptr, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-                  DIM: tl.constexpr, PAGE: tl.constexpr, GROUP_BLOCK: tl.constexpr, SPLITS: tl.constexpr,
-                  BLOCK_T: tl.constexpr, LINE: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr, PDL: tl.constexpr):
+def _split_kernel(
+    q_ptr,
+    q_stride,
+    pool_ptr,
+    kv_indptr_ptr,
+    kv_indices_ptr,
+    kv_lens_ptr,
+    part_out_ptr,
+    part_lse_ptr,
+    scale,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    eps,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    DIM: tl.constexpr,
+    PAGE: tl.constexpr,
+    GROUP_BLOCK: tl.constexpr,
+    SPLITS: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    LINE: tl.constexpr,
+    ROPE: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     GROUP: tl.constexpr = HEADS // KV_HEADS
     kv_len = tl.load(kv_lens_ptr + seq)
@@ -71,8 +92,7 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
         q = _normed_rotated(row, heads, live_g, d, cos, signed_sin, q_norm_ptr, eps, DIM, NORM).to(q_ptr.dtype.element_ty)
         if (start <= pos) & (pos < end):
             new = pos + tl.arange(0, 1)
-            k = _normed_rotated(row + HEADS * DIM, kv_head + tl.arange(0, 1), new >= 0, d, cos, signed_sin, k_norm_ptr,
-                                eps, DIM, NORM)
+            k = _normed_rotated(row + HEADS * DIM, kv_head + tl.arange(0, 1), new >= 0, d, cos, signed_sin, k_norm_ptr, eps, DIM, NORM)
             at = pool_ptr + _k_rows(kv_indices_ptr, first_page, new, new >= 0, kv_head, PAGE, KV_HEADS, DIM)[:, None] + d[None, :]
             tl.store(at, k.to(pool_ptr.dtype.element_ty))
             tl.store(at + v_offset, tl.load(row + (HEADS + KV_HEADS + kv_head) * DIM + d)[None, :])
@@ -105,8 +125,9 @@ def _split_kernel(q_ptr, q_stride, pool_ptr, kv_indptr_ptr, kv_indices_ptr, kv_l
 
 
 @triton.jit
-def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride, HEADS: tl.constexpr, DIM: tl.constexpr,
-                  SPLITS: tl.constexpr, PDL: tl.constexpr):
+def _merge_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, out_stride, HEADS: tl.constexpr, DIM: tl.constexpr, SPLITS: tl.constexpr, PDL: tl.constexpr
+):
     pdl.wait_for_previous_kernel(PDL, True)
     seq, head = tl.program_id(0), tl.program_id(1)
     s = tl.arange(0, SPLITS)
@@ -119,8 +140,16 @@ def _merge_kernel(part_out_ptr, part_lse_ptr, out_ptr, out_stride, HEADS: tl.con
     tl.store(out_ptr + seq.to(tl.int64) * out_stride + head * DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-def decode_attention(q: torch.Tensor, pool: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
-                     kv_lens: torch.Tensor, scale: float, out: torch.Tensor, rope: Rope | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    pool: torch.Tensor,
+    kv_indptr: torch.Tensor,
+    kv_indices: torch.Tensor,
+    kv_lens: torch.Tensor,
+    scale: float,
+    out: torch.Tensor,
+    rope: Rope | None = None,
+) -> torch.Tensor:
     """Writes and returns `out` [B, heads, dim]. With `rope`, q is the raw qkv and rope_kv's work is done here."""
     batch, _, dim = q.shape
     _, _, page, kv_heads, _ = pool.shape
@@ -131,11 +160,33 @@ def decode_attention(q: torch.Tensor, pool: torch.Tensor, kv_indptr: torch.Tenso
     part_lse = torch.empty(batch, heads, splits, dtype=torch.float32, device=q.device)
     norm = rope is not None and rope.q_norm is not None
     _split_kernel[(batch, kv_heads, splits)](
-        q, q.stride(0), pool, kv_indptr, kv_indices, kv_lens, part_out, part_lse, scale,
-        rope.cos_sin if rope is not None else part_out, rope.q_norm if norm else part_out, rope.k_norm if norm else part_out,
-        rope.eps if rope is not None else 0.0, HEADS=heads, KV_HEADS=kv_heads, DIM=dim, PAGE=page,
-        GROUP_BLOCK=max(16, triton.next_power_of_2(heads // kv_heads)), SPLITS=splits, BLOCK_T=BLOCK_T,
-        LINE=min(dim, 128 // pool.element_size()), ROPE=rope is not None, NORM=norm, num_warps=4, **pdl.launch(q.device))
-    _merge_kernel[(batch, heads)](part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits,
-                                  num_warps=4, **pdl.launch(q.device))
+        q,
+        q.stride(0),
+        pool,
+        kv_indptr,
+        kv_indices,
+        kv_lens,
+        part_out,
+        part_lse,
+        scale,
+        rope.cos_sin if rope is not None else part_out,
+        rope.q_norm if norm else part_out,
+        rope.k_norm if norm else part_out,
+        rope.eps if rope is not None else 0.0,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        DIM=dim,
+        PAGE=page,
+        GROUP_BLOCK=max(16, triton.next_power_of_2(heads // kv_heads)),
+        SPLITS=splits,
+        BLOCK_T=BLOCK_T,
+        LINE=min(dim, 128 // pool.element_size()),
+        ROPE=rope is not None,
+        NORM=norm,
+        num_warps=4,
+        **pdl.launch(q.device),
+    )
+    _merge_kernel[(batch, heads)](
+        part_out, part_lse, out, out.stride(0), HEADS=heads, DIM=dim, SPLITS=splits, num_warps=4, **pdl.launch(q.device)
+    )
     return out

@@ -30,9 +30,26 @@ def _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, k, K, write_res, PROLOGUE
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, res_ptr, norm_ptr, new_res_ptr, w_ptr, bias_ptr, add_ptr, out_ptr, eps, K, PROLOGUE: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, ADD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 LINE: tl.constexpr, PDL: tl.constexpr, SHORT: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    res_ptr,
+    norm_ptr,
+    new_res_ptr,
+    w_ptr,
+    bias_ptr,
+    add_ptr,
+    out_ptr,
+    eps,
+    K,
+    PROLOGUE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    ADD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    LINE: tl.constexpr,
+    PDL: tl.constexpr,
+    SHORT: tl.constexpr,
+):
     pid = tl.program_id(0)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
@@ -72,34 +89,58 @@ def tiles(n: int, k: int) -> list[tuple[int, int]]:
     return found
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, tile: tuple[int, int], *, prologue: int = PLAIN,
-         residual: torch.Tensor | None = None, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-         add: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tile: tuple[int, int],
+    *,
+    prologue: int = PLAIN,
+    residual: torch.Tensor | None = None,
+    norm_weight: torch.Tensor | None = None,
+    eps: float = 0.0,
+    add: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(y [1, N], the new residual for ADD_NORM else None); x and weight contiguous, tile from `tiles`."""
     (n, k), (block_n, block_k) = weight.shape, tile
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
     out = x.new_empty(1, n)
     new_residual = x.new_empty(1, k) if prologue == ADD_NORM else None
     _gemv_kernel[(n // block_n,)](
-        x, residual if residual is not None else x, norm_weight if norm_weight is not None else weight,
-        new_residual if new_residual is not None else out, weight, bias if bias is not None else weight,
-        add if add is not None else out, out, eps, k, PROLOGUE=prologue, HAS_BIAS=bias is not None, ADD=add is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-        LINE=min(block_k, 128 // weight.element_size()), SHORT=pdl.fits_half_l2(weight), num_warps=4, num_stages=3,
-        **pdl.launch(x.device))
+        x,
+        residual if residual is not None else x,
+        norm_weight if norm_weight is not None else weight,
+        new_residual if new_residual is not None else out,
+        weight,
+        bias if bias is not None else weight,
+        add if add is not None else out,
+        out,
+        eps,
+        k,
+        PROLOGUE=prologue,
+        HAS_BIAS=bias is not None,
+        ADD=add is not None,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        LINE=min(block_k, 128 // weight.element_size()),
+        SHORT=pdl.fits_half_l2(weight),
+        num_warps=4,
+        num_stages=3,
+        **pdl.launch(x.device),
+    )
     return out, new_residual
 
 
-def norm_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module, linear: torch.nn.Module,
-                tile: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+def norm_linear(
+    h: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module, linear: torch.nn.Module, tile: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor]:
     """linear(RMSNorm(h + residual)) and the new residual (h where there was none), in one kernel."""
     if residual is None:
         return gemv(h, linear.weight, linear.bias, tile, prologue=NORM, norm_weight=norm.weight, eps=norm.eps)[0], h
     return gemv(h, linear.weight, linear.bias, tile, prologue=ADD_NORM, residual=residual, norm_weight=norm.weight, eps=norm.eps)
 
 
-def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor | None = None, *,
-                tile: tuple[int, int]) -> torch.Tensor:
+def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor | None = None, *, tile: tuple[int, int]) -> torch.Tensor:
     """linear(SiLU(gate) · up) (+ add), in one kernel."""
     return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU, add=add)[0]
 

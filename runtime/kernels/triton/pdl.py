@@ -47,5 +47,4 @@ def wait_for_previous_kernel(PDL: tl.constexpr, SHORT: tl.constexpr):
 @triton.jit
 def prefetch_l2(pointers):
     """Starts loading the 128-byte lines at `pointers` into L2: a hint, safe since all SMs meet in L2."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [pointers], dtype=tl.int32,
-                              is_pure=False, pack=1)
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [pointers], dtype=tl.int32, is_pure=False, pack=1)

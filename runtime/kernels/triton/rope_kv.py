@@ -24,8 +24,7 @@ def _normed_rotated(at, half_cols, live, cos, sin, norm_ptr, eps, HALF: tl.const
 
 
 @triton.jit
-def _rotate_q(row, cols, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr,
-              NORM: tl.constexpr):
+def _rotate_q(row, cols, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     heads = tl.arange(0, BLOCK)
     live = (heads < HEADS)[:, None] & (cols < HALF)[None, :]
     at = row + heads[:, None] * (2 * HALF) + cols[None, :]
@@ -35,8 +34,21 @@ def _rotate_q(row, cols, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.
 
 
 @triton.jit
-def _write_kv(row, cols, cos, sin, norm_ptr, eps, k_dst, v_dst, HEADS: tl.constexpr, KV_HEADS: tl.constexpr,
-              HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
+def _write_kv(
+    row,
+    cols,
+    cos,
+    sin,
+    norm_ptr,
+    eps,
+    k_dst,
+    v_dst,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+):
     heads = tl.arange(0, BLOCK)
     live = (heads < KV_HEADS)[:, None] & (cols < HALF)[None, :]
     at = row + (HEADS + heads)[:, None] * (2 * HALF) + cols[None, :]
@@ -50,10 +62,27 @@ def _write_kv(row, cols, cos, sin, norm_ptr, eps, k_dst, v_dst, HEADS: tl.conste
 
 
 @triton.jit
-def _rope_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, q_norm_ptr, k_norm_ptr, rows_ptr, rows_token_stride,
-                    rows_part_stride, pool_ptr, eps, HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HALF: tl.constexpr,
-                    Q_BLOCK: tl.constexpr, KV_BLOCK: tl.constexpr, HALF_BLOCK: tl.constexpr, NORM: tl.constexpr,
-                    PDL: tl.constexpr):
+def _rope_kv_kernel(
+    qkv_ptr,
+    qkv_stride,
+    pos_ptr,
+    cos_sin_ptr,
+    q_norm_ptr,
+    k_norm_ptr,
+    rows_ptr,
+    rows_token_stride,
+    rows_part_stride,
+    pool_ptr,
+    eps,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    Q_BLOCK: tl.constexpr,
+    KV_BLOCK: tl.constexpr,
+    HALF_BLOCK: tl.constexpr,
+    NORM: tl.constexpr,
+    PDL: tl.constexpr,
+):
     pdl.wait_for_previous_kernel(PDL, True)
     token, part = tl.program_id(0), tl.program_id(1)
     cols = tl.arange(0, HALF_BLOCK)
@@ -70,9 +99,18 @@ def _rope_kv_kernel(qkv_ptr, qkv_stride, pos_ptr, cos_sin_ptr, q_norm_ptr, k_nor
         _write_kv(row, cols, cos, sin, k_norm_ptr, eps, k_dst, v_dst, HEADS, KV_HEADS, HALF, KV_BLOCK, NORM)
 
 
-def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor, q_norm: torch.Tensor | None,
-                  k_norm: torch.Tensor | None, eps: float, pool_rows: torch.Tensor, rows: torch.Tensor, heads: int,
-                  kv_heads: int) -> None:
+def rope_kv_write(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin: torch.Tensor,
+    q_norm: torch.Tensor | None,
+    k_norm: torch.Tensor | None,
+    eps: float,
+    pool_rows: torch.Tensor,
+    rows: torch.Tensor,
+    heads: int,
+    kv_heads: int,
+) -> None:
     """qkv [T, (heads + 2 kv heads) · dim]; rows [T, 2]: each token's K and V row in pool_rows."""
     tokens, dim = qkv.shape[0], cos_sin.shape[1]
     if tokens == 0:
@@ -80,7 +118,24 @@ def rope_kv_write(qkv: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Ten
     assert qkv.stride(1) == 1 and qkv.shape[1] == (heads + 2 * kv_heads) * dim and pool_rows.shape[1] == kv_heads * dim
     norm = q_norm is not None
     _rope_kv_kernel[(tokens, 2)](
-        qkv, qkv.stride(0), positions, cos_sin, q_norm if norm else cos_sin, k_norm if norm else cos_sin, rows,
-        rows.stride(0), rows.stride(1), pool_rows, eps, HEADS=heads, KV_HEADS=kv_heads, HALF=dim // 2,
-        Q_BLOCK=triton.next_power_of_2(heads), KV_BLOCK=triton.next_power_of_2(kv_heads),
-        HALF_BLOCK=triton.next_power_of_2(dim // 2), NORM=norm, num_warps=4, **pdl.launch(qkv.device))
+        qkv,
+        qkv.stride(0),
+        positions,
+        cos_sin,
+        q_norm if norm else cos_sin,
+        k_norm if norm else cos_sin,
+        rows,
+        rows.stride(0),
+        rows.stride(1),
+        pool_rows,
+        eps,
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        HALF=dim // 2,
+        Q_BLOCK=triton.next_power_of_2(heads),
+        KV_BLOCK=triton.next_power_of_2(kv_heads),
+        HALF_BLOCK=triton.next_power_of_2(dim // 2),
+        NORM=norm,
+        num_warps=4,
+        **pdl.launch(qkv.device),
+    )

@@ -22,9 +22,25 @@ def _mix32(x):
 
 
 @triton.jit(do_not_specialize_on_alignment=["last_tokens_ptr", "slots_ptr", "host_ptr"])  # no new variant mid-serving
-def _gumbel_argmax_kernel(scores_ptr, stride, temperatures_ptr, keys_ptr, best_ptr, best_id_ptr, arrivals_ptr, tokens_ptr,
-                          last_tokens_ptr, slots_ptr, host_ptr, vocab, chunks, NOISE: tl.constexpr, FEEDBACK: tl.constexpr,
-                          BLOCK: tl.constexpr, BLOCKS_PER_CHUNK: tl.constexpr):
+def _gumbel_argmax_kernel(
+    scores_ptr,
+    stride,
+    temperatures_ptr,
+    keys_ptr,
+    best_ptr,
+    best_id_ptr,
+    arrivals_ptr,
+    tokens_ptr,
+    last_tokens_ptr,
+    slots_ptr,
+    host_ptr,
+    vocab,
+    chunks,
+    NOISE: tl.constexpr,
+    FEEDBACK: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCKS_PER_CHUNK: tl.constexpr,
+):
     row, chunk = tl.program_id(0), tl.program_id(1)
     if NOISE:
         temperature = tl.load(temperatures_ptr + row)
@@ -68,8 +84,12 @@ def _arrivals(device: torch.device, rows: int) -> torch.Tensor:
     return torch.zeros(rows, dtype=torch.int32, device=device)
 
 
-def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys: torch.Tensor | None,
-                  feedback: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def gumbel_argmax(
+    scores: torch.Tensor,
+    temperatures: torch.Tensor | None,
+    keys: torch.Tensor | None,
+    feedback: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """scores [B, vocab] -> [B] int64, greedy without temperatures; feedback as in sampling.Feedback."""
     rows, vocab = scores.shape
     blocks_per_chunk = 1 if rows <= FEW_ROWS else 4
@@ -82,7 +102,21 @@ def gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor | None, keys:
     arrivals = _arrivals(scores.device, triton.next_power_of_2(rows))
     noise = temperatures is not None
     fed = feedback if feedback is not None else (tokens, tokens, tokens)
-    _gumbel_argmax_kernel[(rows, chunks)](scores, scores.stride(0), temperatures if noise else scores, keys if noise else scores,
-                                          best, best_id, arrivals, tokens, *fed, vocab, chunks, NOISE=noise,
-                                          FEEDBACK=feedback is not None, BLOCK=BLOCK, BLOCKS_PER_CHUNK=blocks_per_chunk)
+    _gumbel_argmax_kernel[(rows, chunks)](
+        scores,
+        scores.stride(0),
+        temperatures if noise else scores,
+        keys if noise else scores,
+        best,
+        best_id,
+        arrivals,
+        tokens,
+        *fed,
+        vocab,
+        chunks,
+        NOISE=noise,
+        FEEDBACK=feedback is not None,
+        BLOCK=BLOCK,
+        BLOCKS_PER_CHUNK=blocks_per_chunk,
+    )
     return tokens
