@@ -159,44 +159,28 @@ def test_metrics_agree_with_the_load_harness(smol_server):
     assert {"prompt_tok_s", "running", "waiting", "kv_usage", "prefix_hit_rate"} <= set(stats)
 
 
+def _logged(code: str, log_format: str) -> subprocess.CompletedProcess:
+    """Run `code` after configure_logging('probe') in a fresh interpreter, logging in `log_format`."""
+    setup = "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe')\n"
+    env = {**os.environ, "RINGLLM_LOG_FORMAT": log_format}
+    return subprocess.run([sys.executable, "-c", setup + code], cwd=ROOT, capture_output=True, text=True, timeout=60, env=env)
+
+
 def test_json_log_lines_take_fields_with_integer_keys():
     """engine_ready logs padded_to as {rows: graph rows}: orjson refuses int keys unless told."""
-    code = (
-        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); "
-        "structlog.get_logger().info('hello', padded_to={1: 8})"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "RINGLLM_LOG_FORMAT": "json"}
-    )
+    out = _logged("structlog.get_logger().info('hello', padded_to={1: 8})", "json")
     assert out.returncode == 0 and orjson.loads(out.stderr.strip().splitlines()[-1])["padded_to"] == {"1": 8}, out.stderr
 
 
 def test_json_log_lines_carry_the_traceback_of_log_exception():
     """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true."""
-    code = (
-        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe')\n"
-        "try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60, env={**os.environ, "RINGLLM_LOG_FORMAT": "json"}
-    )
+    out = _logged("try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')", "json")
     line = orjson.loads(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0 and "missing-key" in orjson.dumps(line["exception"]).decode(), out.stderr
 
 
 def test_console_log_format():
-    code = (
-        "from runtime.obs.logs import configure_logging; import structlog; configure_logging('probe'); "
-        "structlog.get_logger().info('hello', rid='r1')"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "RINGLLM_LOG_FORMAT": "console"},
-    ).stderr
+    out = _logged("structlog.get_logger().info('hello', rid='r1')", "console").stderr
     assert "hello" in out and "rid=r1" in out and "actor=probe" in out and not out.lstrip().startswith("{")
 
 
