@@ -15,16 +15,7 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.protocol import (
-    ApiError,
-    Completion,
-    Limits,
-    choice,
-    envelope,
-    logprobs_block,
-    parse,
-    usage,
-)
+from api.protocol import ApiError, Completion, Limits, choice, envelope, logprobs_block, parse, usage
 from runtime.obs.metrics import exposition, metrics
 
 if TYPE_CHECKING:  # prometheus_client is imported by runtime.obs.metrics, once its storage is set

@@ -26,13 +26,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from benchmarks.server import (
-    free_port,
-    sse_events,
-    start_server,
-    stop_server,
-    wait_healthy,
-)
+from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
 
 SHORT = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": True}
 

@@ -338,13 +338,7 @@ def test_few_row_linears_match_cublas():
     then the timed swap keeps a model's outputs and takes a kernel only within its row limit."""
     from torch import nn
 
-    from runtime.engine.gemm_tuner import (
-        FewRowLinear,
-        _candidates,
-        _gemv_kernels,
-        load_tinygemm,
-        use_few_row_gemms,
-    )
+    from runtime.engine.gemm_tuner import FewRowLinear, _candidates, _gemv_kernels, load_tinygemm, use_few_row_gemms
 
     cuda = torch.device("cuda")
     tinygemm, gemv_kernel = load_tinygemm(cuda, torch.bfloat16), _gemv_kernels(cuda, torch.bfloat16)

@@ -13,14 +13,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-from transport.ring import (
-    HEADER,
-    FrameReleased,
-    Ring,
-    RingReader,
-    RingWriter,
-    frame_size,
-)
+from transport.ring import HEADER, FrameReleased, Ring, RingReader, RingWriter, frame_size
 from transport.segment import SHM_DIR, server_prefix
 from transport.wakeup import spin_budget_ns
 

@@ -22,14 +22,7 @@ from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_one_row_fusion
-from runtime.engine.sampling import (
-    Feedback,
-    Sample,
-    SampleRow,
-    logprob_dicts,
-    sample,
-    warm_up_draws,
-)
+from runtime.engine.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.cpu_linears import default_dtype
 from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams

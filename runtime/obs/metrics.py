@@ -107,12 +107,7 @@ def metrics() -> Metrics:
 
 def exposition() -> tuple[bytes, str]:
     """The /metrics body of every process of this server, and its content type."""
-    from prometheus_client import (
-        CONTENT_TYPE_LATEST,
-        CollectorRegistry,
-        generate_latest,
-        multiprocess,
-    )
+    from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest, multiprocess
 
     if MULTIPROC_ENV not in os.environ:
         from prometheus_client import REGISTRY
