@@ -16,6 +16,16 @@ from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, EngineCon
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
 
+HELP = {  # the serve flags whose help is too long to sit beside them
+    "body-timeout": "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its "
+    "connection is closed (default: %(default)s)",
+    "hang-timeout": "seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog",
+    "watchdog-timeout": "seconds an engine step may make no progress before the engine is restarted: the watchdog can only "
+    "restart it sooner than --hang-timeout, never later",
+    "shutdown-timeout": "on SIGTERM, seconds in-flight requests may take",
+    "log-format": "json: one object per line (what `ringllm trace` reads); console: aligned text",
+}
+
 
 def status(port: int, as_json: bool) -> int:
     """Read the supervisor's control block of the server on `port` and list its actors."""
@@ -185,38 +195,11 @@ def main(argv: list[str] | None = None) -> int:
         "--max-queued-requests", type=int, default=ServeConfig.max_queued_requests, help="beyond running + queued, new requests get a 503"
     )
     s.add_argument("--request-timeout", type=float, help="seconds a request may take, queueing included (default: none)")
-    s.add_argument(
-        "--body-timeout",
-        type=float,
-        default=ServeConfig.body_timeout,
-        help="seconds a client may take to send a request's body; a body still incomplete then gets a 408 "
-        "and its connection is closed (default: %(default)s)",
-    )
-    s.add_argument(
-        "--hang-timeout",
-        type=float,
-        default=SupervisorConfig.hang_timeout_s,
-        help="seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog",
-    )
-    s.add_argument(
-        "--watchdog-timeout",
-        type=float,
-        default=ServeConfig.watchdog_timeout,
-        help="seconds an engine step may make no progress before the engine is restarted: the watchdog "
-        "can only restart it sooner than --hang-timeout, never later",
-    )
-    s.add_argument(
-        "--shutdown-timeout",
-        type=float,
-        default=SupervisorConfig.shutdown_timeout_s,
-        help="on SIGTERM, seconds in-flight requests may take",
-    )
-    s.add_argument(
-        "--log-format",
-        choices=LOG_FORMATS,
-        default="json",
-        help="json: one object per line (what `ringllm trace` reads); console: aligned text",
-    )
+    s.add_argument("--body-timeout", type=float, default=ServeConfig.body_timeout, help=HELP["body-timeout"])
+    s.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s, help=HELP["hang-timeout"])
+    s.add_argument("--watchdog-timeout", type=float, default=ServeConfig.watchdog_timeout, help=HELP["watchdog-timeout"])
+    s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
+    s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])
 
     st = commands.add_parser("status", help="list the actors of a running server")
     st.add_argument("--port", type=int, default=8000)

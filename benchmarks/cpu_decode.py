@@ -24,6 +24,8 @@ from pathlib import Path
 
 import orjson
 
+from benchmarks import write_result
+
 DEFAULT_OUT = Path(__file__).parent / "results" / "cpu-decode-kernels.json"
 SEQUENCES = 4
 
@@ -95,8 +97,7 @@ def main(argv: list[str] | None = None) -> dict:
     }
     for size in ("short", "long"):
         print(f"{size}: {best['kernels'][size]} ms with the kernels, {best['torch'][size]} ms without: {result['speedup'][size]}x")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_bytes(orjson.dumps(result, option=orjson.OPT_INDENT_2) + b"\n")
+    write_result(args.out, result)
     return result
 
 

@@ -408,12 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "below 1 request/s and take minutes)",
     )
     p.add_argument("--random-output-len", type=int, default=32, help="max_tokens (default: 32)")
-    p.add_argument(
-        "--random-range-ratio",
-        type=float,
-        default=0.0,
-        help="vLLM's: lengths uniform over the integers in [floor(L*(1-R)), ceil(L*(1+R))], 0 <= R < 1",
-    )
+    p.add_argument("--random-range-ratio", type=float, default=0.0, help="vLLM's: lengths uniform in [L*(1-R), L*(1+R)], 0 <= R < 1")
     p.add_argument("--shared-prefix-len", type=int, default=512, help="shared-prefix: tokens of each group's prefix")
     p.add_argument("--shared-prefix-groups", type=int, default=4, help="shared-prefix: prompt i is in group i mod this")
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")

@@ -79,18 +79,9 @@ def test_planning_further_ahead_changes_no_token(tiny_model):
 
 def test_seeded_request_samples_the_same_alone_and_in_a_batch_of_16(tiny_model):
     llm = LLM(tiny_model("qwen3"), dtype="float32", page_size=16)
-    seeded = SamplingParams(
-        max_tokens=32,
-        temperature=0.9,
-        top_p=0.9,
-        top_k=50,
-        min_p=0.02,
-        seed=1234,
-        ignore_eos=True,
-        frequency_penalty=0.3,
-        presence_penalty=0.2,
-        repetition_penalty=1.1,
-    )
+    filters = dict(temperature=0.9, top_p=0.9, top_k=50, min_p=0.02)
+    penalties = dict(frequency_penalty=0.3, presence_penalty=0.2, repetition_penalty=1.1)
+    seeded = SamplingParams(max_tokens=32, seed=1234, ignore_eos=True, **filters, **penalties)
     prompt = random_prompts(1, range(20, 21), seed=6)
     alone = llm.generate(prompt, seeded)[0].token_ids
     others = random_prompts(15, range(5, 60), seed=7)

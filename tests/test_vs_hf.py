@@ -11,11 +11,11 @@ import orjson
 from tests.conftest import ROOT
 
 
-def test_vs_hf_quick_compares_equal_work_on_both_sides(smollm2, tmp_path):
+def test_vs_hf_quick_compares_equal_work_on_both_sides(smol_server, tmp_path):
     out = tmp_path / "vs-hf.json"
-    result = subprocess.run(
-        [sys.executable, "-m", "benchmarks.vs_hf", "--quick", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
-    )
+    command = [sys.executable, "-m", "benchmarks.vs_hf", "--quick", "--out", str(out)]
+    command += ["--base-url", smol_server.base_url, "--served-model", smol_server.model]  # the shared server: no start-up of its own
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-5000:]
     figures = orjson.loads(out.read_bytes())
     assert {"speedup", "ringllm_tok_per_s", "hf_tok_per_s", "model", "command"} <= set(figures)
