@@ -156,7 +156,7 @@ async def send(http: aiohttp.ClientSession, url: str, body: dict, chat: bool, ou
                     texts.append((choices[0]["delta"].get("content") if chat else choices[0].get("text")) or "")
                 usage = event.get("usage") or usage
             outcome.e2el = time.perf_counter() - started
-    except (aiohttp.ClientError, asyncio.TimeoutError, orjson.JSONDecodeError) as exc:
+    except (TimeoutError, aiohttp.ClientError, orjson.JSONDecodeError) as exc:
         outcome.error = f"{type(exc).__name__}: {exc}"
         return
     finally:

