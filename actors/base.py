@@ -1,6 +1,7 @@
 """The actor base: one pipeline stage per OS process, running on asyncio (uvloop).
 
-An actor is started by the supervisor with the spawn method. It attaches to its rings, runs
+An actor is forked by the supervisor's forkserver (torch and transformers already imported
+there, so a start or a restart skips those imports). It attaches to its rings, runs
 `setup`, reports ready, then runs `run` beside a tick that writes its heartbeat, follows the
 epoch and watches for a stop request. Every frame it reads goes through `admit`, the one epoch
 filter: frames of an older epoch are dropped, and a newer epoch resets soft state first.
@@ -60,6 +61,7 @@ class Actor:
         self.outputs = {peer: RingWriter(handle) for peer, handle in ctx.outputs.items()}
         self._peers, self._readers = list(self.inputs), list(self.inputs.values())
         self._yielded = time.monotonic()
+        self._parent = os.getppid()  # the supervisor's forkserver: it exits when the supervisor does
 
     async def setup(self) -> None:
         """Slow start-up work (weights, tokenizer) goes here, before the actor reports ready."""
@@ -130,7 +132,7 @@ class Actor:
             self._beat()
             if self.control.epoch > self.epoch:
                 self._enter_epoch(self.control.epoch)
-            if os.getppid() != self.ctx.supervisor_pid:
+            if os.getppid() != self._parent:
                 log.warning("supervisor_gone")
                 return
             await self.ctx.doorbell.sleep_async(self.ctx.heartbeat_s)
@@ -162,19 +164,29 @@ class Actor:
         self.control.close()
 
 
-def _die_with_parent(supervisor_pid: int) -> None:
-    """An actor must never outlive its supervisor: the kernel kills it when the supervisor dies."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    if os.getppid() != supervisor_pid:  # it died before prctl took effect
-        os._exit(1)
+def _parent_of(pid: int) -> int:
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return int(stat.read().rpartition(b")")[2].split()[1])
+    except OSError:
+        return 0
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent dies."""
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def actor_main(ctx: ActorContext) -> None:
-    """The spawn target of every actor process."""
-    _die_with_parent(ctx.supervisor_pid)
-    if not ctx.spec.torch_threads:  # before anything imports torch
+    """The target of every actor process. Its parent is the supervisor's forkserver, which dies with
+    the supervisor (actors.forkserver): an actor never outlives its supervisor."""
+    die_with_parent()
+    if _parent_of(os.getppid()) != ctx.supervisor_pid:  # the forkserver died before prctl took effect
+        os._exit(1)
+    if not ctx.spec.torch_threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
+        if (torch := sys.modules.get("torch")) is not None:  # preloaded by the forkserver
+            torch.set_num_threads(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the supervisor stops us
     configure_logging(ctx.spec.name)
     actor = ctx.spec.load_class()(ctx)

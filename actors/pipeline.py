@@ -8,6 +8,8 @@ from actors.gauges import ApiGauge
 from actors.topology import ActorSpec, Edge, Topology
 from runtime.config import EngineConfig
 
+TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto",)  # AutoTokenizer, and torch with it
+
 
 @dataclass(frozen=True)
 class ServeConfig:
@@ -31,10 +33,18 @@ def pipeline(config: ServeConfig) -> Topology:
     options = {"serve": config}
     workers = api_worker_names(config)
     actors = (
-        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options),
+        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, preload=TOKENIZER_MODULES),
         ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
-        ActorSpec("engine", "engine", "actors.engine:EngineActor", options, torch_threads=True, watchdog_s=config.watchdog_timeout),
-        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options),
+        ActorSpec(
+            "engine",
+            "engine",
+            "actors.engine:EngineActor",
+            options,
+            torch_threads=True,
+            preload=("torch",),
+            watchdog_s=config.watchdog_timeout,
+        ),
+        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, preload=TOKENIZER_MODULES),
         *(
             ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
             for i, name in enumerate(workers)

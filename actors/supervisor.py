@@ -54,7 +54,9 @@ class Supervisor:
     def __init__(self, topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> None:
         self.topology = topology
         self.config = config
-        self._spawn = mp.get_context("spawn")
+        self._forkserver = mp.get_context("forkserver")  # a clean process that never touches CUDA
+        preload = sorted({module for actor in topology.actors for module in actor.preload})
+        self._forkserver.set_forkserver_preload(["actors.forkserver", *preload])
         self._procs: dict[int, mp.process.BaseProcess] = {}
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
@@ -213,7 +215,7 @@ class Supervisor:
             supervisor_pid=os.getpid(),
             heartbeat_s=self.config.heartbeat_s,
         )
-        proc = self._spawn.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
+        proc = self._forkserver.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
         proc.start()
         slot["pid"] = proc.pid
         self._procs[index] = proc

@@ -16,6 +16,7 @@ class ActorSpec:
     entry: str  # "module:Class" of an actors.base.Actor subclass, imported in the child
     options: dict[str, Any] = field(default_factory=dict)
     torch_threads: bool = False  # only the engine computes with torch; the rest get one thread
+    preload: tuple[str, ...] = ()  # modules the forkserver imports once, not at every start (none may touch CUDA)
     # a watchdog: when set, a ready actor whose progress stamp (actors.gauges.PROGRESS_GAUGE, a CLOCK_MONOTONIC
     # time while it has work, 0 when idle) is older than this is killed and restarted; its heartbeat still
     # answers to the supervisor's hang timeout, so a watchdog can only make a restart come sooner

@@ -162,7 +162,7 @@ async def _long_generation_while_watching(server) -> list[float]:
     """Stream a long completion; meanwhile read every actor's heartbeat age from `ringllm status`."""
     from tests.conftest import ringllm
 
-    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 300, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {"model": server.model, "prompt": "Once upon a time", "max_tokens": 160, "ignore_eos": True, "temperature": 0, "stream": True}
     ages: list[float] = []
 
     async def watch() -> None:

@@ -149,7 +149,8 @@ def test_crashed_supervisor_leaves_no_orphans_and_is_swept(start_supervisor, ser
 
 def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
     sup = start_supervisor("tests.probe_actors:idle_pair")
-    procs = [psutil.Process(row["pid"]) for row in sup.status()] + [psutil.Process(sup.proc.pid)]
+    supervisor = psutil.Process(sup.proc.pid)
+    procs = [supervisor, *supervisor.children(recursive=True)]  # the forkserver and the resource tracker too
     time.sleep(1)  # let start-up work settle
     before = [p.cpu_times() for p in procs]
     started = time.monotonic()
@@ -159,7 +160,7 @@ def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
         p.pid: 100 * ((now.user + now.system) - (then.user + then.system)) / elapsed
         for p, then, now in zip(procs, before, [p.cpu_times() for p in procs])
     }
-    print("idle CPU % of a core, by pid (actors, then supervisor):", usage)
+    print("idle CPU % of a core, by pid (supervisor, then its children):", usage)
     assert all(pct < 2.0 for pct in usage.values()), usage
 
 

@@ -10,10 +10,10 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime.config import ModelConfig
-from runtime.models import MODELS
 from runtime.models.cpu_linears import prepack_linears
 from runtime.models.dense import STACKED
 from runtime.models.layers import select_fused_ops
+from runtime.models.registry import MODELS
 
 log = structlog.get_logger()
 IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy

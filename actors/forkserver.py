@@ -1,0 +1,7 @@
+"""Imported by the supervisor's forkserver first, and by nothing else: it ties the forkserver's life
+to the supervisor's. The forkserver holds the modules the actors preload (ActorSpec.preload), so a
+start or a restart after a crash forks with them already imported; the actors it forks die with it."""
+
+from actors.base import die_with_parent
+
+die_with_parent()
