@@ -10,7 +10,6 @@ filter: frames of an older epoch are dropped, and a newer epoch resets soft stat
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import sys
@@ -27,11 +26,11 @@ from actors.topology import ActorSpec
 from runtime.obs.gc_pauses import freeze_startup_heap, log_long_pauses
 from runtime.obs.logs import bind_process, configure_logging
 from transport import codec
+from transport.lifetime import on_parent_death
 from transport.ring import Frame, RingHandle, RingReader, RingWriter, recv_any_async
 from transport.wakeup import Doorbell
 
 log = structlog.get_logger()
-_PR_SET_PDEATHSIG = 1
 YIELD_S = 0.01
 
 
@@ -47,9 +46,14 @@ class ActorContext:
     doorbell: Doorbell  # the supervisor rings it to announce a stop request or a new epoch
     supervisor_pid: int
     heartbeat_s: float
+    rendezvous: str | None = None  # a group member's meeting file (ActorSpec.group)
 
 
 class Actor:
+    # True: the epoch moves on only when a frame of a newer one arrives, so that actors reading copies of
+    # one stream of frames (tensor-parallel ranks) drop and reset at the same point of it
+    epochs_from_frames = False
+
     def __init__(self, ctx: ActorContext) -> None:
         self.ctx = ctx
         self.name = ctx.spec.name
@@ -130,7 +134,7 @@ class Actor:
         """Heartbeat from inside the loop, so a blocked loop reads as hung."""
         while not self.slot["stop"]:
             self._beat()
-            if self.control.epoch > self.epoch:
+            if self.control.epoch > self.epoch and not self.epochs_from_frames:
                 self._enter_epoch(self.control.epoch)
             if os.getppid() != self._parent:
                 log.warning("supervisor_gone")
@@ -172,15 +176,10 @@ def _parent_of(pid: int) -> int:
         return 0
 
 
-def die_with_parent() -> None:
-    """Have the kernel SIGKILL this process when its parent dies."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def actor_main(ctx: ActorContext) -> None:
     """The target of every actor process. Its parent is the supervisor's forkserver, which dies with
     the supervisor (actors.forkserver): an actor never outlives its supervisor."""
-    die_with_parent()
+    on_parent_death()
     if _parent_of(os.getppid()) != ctx.supervisor_pid:  # the forkserver died before prctl took effect
         os._exit(1)
     if not ctx.spec.torch_threads:

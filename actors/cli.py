@@ -81,11 +81,17 @@ def serve(args: argparse.Namespace) -> int:
             cuda_graph_max_bs=args.cuda_graph_max_bs,
             cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
             steps_in_flight=args.steps_in_flight,
+            tensor_parallel_size=args.tensor_parallel_size,
         )
+        model_dir = resolve_model_dir(args.model)
+        if engine.tensor_parallel_size > 1:  # torch only for a split
+            from runtime.config import ModelConfig
+            from runtime.distributed import check_parallel
+
+            check_parallel(ModelConfig.load(model_dir), engine)
     except ValueError as exc:  # before any process starts
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
-    model_dir = resolve_model_dir(args.model)
     config = ServeConfig(
         model_dir=str(model_dir),
         served_model_name=args.served_model_name or args.model or NAME,
@@ -191,6 +197,14 @@ def main(argv: list[str] | None = None) -> int:
         "--steps-in-flight", type=int, help=f"steps planned ahead of their results ({by_device('steps_in_flight')}; 1: no overlap)"
     )
     s.add_argument("--dummy-weights", action="store_true", help="random weights of the config's shape")
+    s.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tensor_parallel_size",
+        type=int,
+        default=engine.tensor_parallel_size,
+        help="engine processes that split the model, one device each (engine0..engineN-1 in `ringllm status`)",
+    )
     s.add_argument(
         "--max-queued-requests", type=int, default=ServeConfig.max_queued_requests, help="beyond running + queued, new requests get a 503"
     )

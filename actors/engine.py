@@ -5,6 +5,10 @@ behind them at once, and a step's results are sent as soon as the device has the
 steps are in flight it stamps when it last made progress (EngineGauge.PROGRESS); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
 
+Under tensor parallelism each rank is an engine actor: it joins its group at the rendezvous the
+supervisor names, runs every plan the scheduler sends it, and only rank 0 answers. The ranks move
+to a new epoch where their frames do, so they launch the same steps in the same order.
+
 A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
 launch, or the end of the step before it, whichever is later) to when its results are read. At
 debug level each step is also logged with its size and how long its launch held the host.
@@ -24,6 +28,7 @@ import structlog
 from actors.base import Actor
 from actors.frames import Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
+from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs.metrics import metrics
 
@@ -43,11 +48,14 @@ class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
-        config = serve.engine
+        config, self.rank = serve.engine, self.options["rank"]
         if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
-        self.engine = Engine(Path(serve.model_dir), config)
+        device = rank_device(config.device, self.rank)
+        tp = TensorParallel.join(self.rank, config.tensor_parallel_size, self.ctx.rendezvous, device)
+        self.epochs_from_frames = tp.size > 1
+        self.engine = Engine(Path(serve.model_dir), config, tp, device)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
@@ -65,7 +73,7 @@ class EngineActor(Actor):
             got = self.poll_frame() if self.in_flight else await self.next_frame()
             if got is not None:
                 payload = decode(got[1])
-                if isinstance(payload, Ping):
+                if isinstance(payload, Ping):  # only rank 0 is pinged
                     await self.send("scheduler", payload, got[1].rid)
                     continue
                 assert isinstance(payload, Step)
@@ -104,4 +112,5 @@ class EngineActor(Actor):
             )
             self.last_done = now
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
-            await self.send("scheduler", StepResults(done.step, results), done.step)
+            if self.rank == 0:
+                await self.send("scheduler", StepResults(done.step, results), done.step)

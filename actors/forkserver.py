@@ -2,6 +2,6 @@
 to the supervisor's. The forkserver holds the modules the actors preload (ActorSpec.preload), so a
 start or a restart after a crash forks with them already imported; the actors it forks die with it."""
 
-from actors.base import die_with_parent
+from transport.lifetime import on_parent_death
 
-die_with_parent()
+on_parent_death()

@@ -1,4 +1,6 @@
-"""The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers."""
+"""The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers.
+Under tensor parallelism the engine is N rank processes (engine0..engineN-1, one group): the
+scheduler sends each plan to every rank, and rank 0 answers."""
 
 from __future__ import annotations
 
@@ -29,20 +31,30 @@ def api_worker_names(config: ServeConfig) -> list[str]:
     return [f"api{i}" for i in range(config.api_workers)]
 
 
+def engine_names(config: ServeConfig) -> list[str]:
+    """The engine's rank processes, rank 0 first."""
+    ranks = config.engine.tensor_parallel_size
+    return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in range(ranks)]
+
+
 def pipeline(config: ServeConfig) -> Topology:
     options = {"serve": config}
-    workers = api_worker_names(config)
+    workers, engines = api_worker_names(config), engine_names(config)
     actors = (
         ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, preload=TOKENIZER_MODULES),
         ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
-        ActorSpec(
-            "engine",
-            "engine",
-            "actors.engine:EngineActor",
-            options,
-            torch_threads=True,
-            preload=("torch",),
-            watchdog_s=config.watchdog_timeout,
+        *(
+            ActorSpec(
+                name,
+                "engine",
+                "actors.engine:EngineActor",
+                {**options, "rank": rank},
+                torch_threads=True,
+                preload=("torch",),
+                watchdog_s=config.watchdog_timeout,
+                group="engines" if len(engines) > 1 else None,
+            )
+            for rank, name in enumerate(engines)
         ),
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, preload=TOKENIZER_MODULES),
         *(
@@ -53,8 +65,8 @@ def pipeline(config: ServeConfig) -> Topology:
     edges = (
         *(Edge(name, "tokenizer") for name in workers),
         Edge("tokenizer", "scheduler", 16 << 20),
-        Edge("scheduler", "engine", 16 << 20),  # a plan carries the histories of the slots it opens
-        Edge("engine", "scheduler"),
+        *(Edge("scheduler", name, 16 << 20) for name in engines),  # a plan carries the histories of the slots it opens
+        Edge(engines[0], "scheduler"),
         Edge("scheduler", "detokenizer"),
         *(Edge("detokenizer", name) for name in workers),
     )

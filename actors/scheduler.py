@@ -19,6 +19,7 @@ import structlog
 from actors.base import Actor
 from actors.frames import Abort, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
 from actors.gauges import EngineGauge, SchedulerGauge
+from actors.pipeline import engine_names
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.sampling_params import SamplingParams
@@ -58,7 +59,8 @@ class SchedulerActor(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.engine_config = serve.engine
         self.eos, self.max_position = model.eos_token_ids, model.max_position
-        engine = self.control.slots[self.control.index("engine")]
+        self.engines = engine_names(serve)
+        engine = self.control.slots[self.control.index(self.engines[0])]
         while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
         self.num_pages = int(engine["gauges"][EngineGauge.POOL])
@@ -94,7 +96,8 @@ class SchedulerActor(Actor):
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
                 self._on_planned(plan)
-                await self.send("engine", Step(plan), plan.step, epoch=epoch)
+                for engine in self.engines:  # every tensor-parallel rank runs every step
+                    await self.send(engine, Step(plan), plan.step, epoch=epoch)
                 if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
                     self.in_flight.append(plan.step)
                 self._publish_gauges()
@@ -124,7 +127,7 @@ class SchedulerActor(Actor):
                 )
                 self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
             case Ping() as ping:
-                await self.send("engine" if peer == "tokenizer" else "detokenizer", ping, rid)
+                await self.send(self.engines[0] if peer == "tokenizer" else "detokenizer", ping, rid)
             case FlushCache():
                 pages = self.core.flush_cache()
                 self._publish_gauges()  # before the answer, as in _emit

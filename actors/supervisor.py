@@ -61,6 +61,7 @@ class Supervisor:
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
+        self._group_starts: dict[str, int] = {}  # how often each group has been started: names its rendezvous
         self._stopping = False
         self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -191,6 +192,8 @@ class Supervisor:
             bell.close()
         self.control.close()
         unlink_segment(self.metrics_dir)
+        for group in self._group_starts:
+            unlink_segment(self._rendezvous(group))
         if leftovers := list_segments(self.topology.prefix):
             remove_segments(self.topology.prefix)
             log.warning("removed_leftover_segments", segments=leftovers)
@@ -214,6 +217,7 @@ class Supervisor:
             doorbell=self._doorbells[index],
             supervisor_pid=os.getpid(),
             heartbeat_s=self.config.heartbeat_s,
+            rendezvous=None if spec.group is None else str(SHM_DIR / self._rendezvous(spec.group)),
         )
         proc = self._forkserver.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
         proc.start()
@@ -231,7 +235,25 @@ class Supervisor:
         # a crash after a healthy start restarts at once; a crash loop at start-up backs off
         delay = 0.0 if was_ready else self._backoff.get(index, 0.25)
         self._backoff[index] = 0.25 if was_ready else min(self.config.max_backoff_s, delay * 2)
-        self._restart_at[index] = time.monotonic() + delay
+        if (group := self.topology.actors[index].group) is None:
+            self._restart_at[index] = time.monotonic() + delay
+            return
+        members = self._members(group)
+        if live := [m for m in members if m in self._procs]:
+            for member in live:  # each exit comes back here; the last one restarts the group
+                self._procs[member].kill()
+            return
+        unlink_segment(self._rendezvous(group))
+        self._group_starts[group] += 1
+        for member in members:
+            self._restart_at[member] = time.monotonic() + delay
+
+    def _members(self, group: str) -> list[int]:
+        return [i for i, actor in enumerate(self.topology.actors) if actor.group == group]
+
+    def _rendezvous(self, group: str) -> str:
+        """The name in SHM_DIR where this start of the group meets (torch.distributed's FileStore)."""
+        return f"{self.topology.prefix}{group}-{self._group_starts.setdefault(group, 1)}"
 
     def _kill_hung(self) -> None:
         """Kill an actor not ready after ready_timeout_s, a ready one whose heartbeat is older than

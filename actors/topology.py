@@ -22,6 +22,9 @@ class ActorSpec:
     # answers to the supervisor's hang timeout, so a watchdog can only make a restart come sooner
     watchdog_s: float | None = None
     drain_gauge: int | None = None  # gauge counting requests in hand: on SIGTERM, wait for it to reach 0
+    # actors that live and die together (a tensor-parallel group: a collective cannot lose a member): one's
+    # exit or hang restarts them all, and each start of the group meets at a fresh rendezvous file
+    group: str | None = None
 
     def load_class(self) -> type:
         module, _, attr = self.entry.partition(":")

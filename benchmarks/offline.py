@@ -77,6 +77,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
         "mem_fraction": args.mem_fraction,
         "mixed_chunk": args.enable_mixed_chunk,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 
@@ -196,6 +197,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--enable-mixed-chunk", action="store_true")
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction)
     parser.add_argument("--api-workers", type=int, default=2)
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
 

@@ -4,7 +4,6 @@ waiting for health, and reading a streamed response's events."""
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import os
 import signal
 import socket
@@ -16,13 +15,13 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 
-_PR_SET_PDEATHSIG = 1
+from transport.lifetime import on_parent_death
 
 
 def stop_with_parent() -> None:
     """In the server's process: SIGINT (a clean stop) when the benchmark or test run that started it
     dies, so a killed one leaves no server behind."""
-    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGINT)
+    on_parent_death(signal.SIGINT)
 
 
 def start_server(args: list[str], **popen) -> subprocess.Popen:

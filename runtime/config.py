@@ -112,6 +112,7 @@ class EngineConfig:
     attention_backend: str | None = None
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     steps_in_flight: int | None = None  # steps planned ahead of their results (1: no overlap); None: by device
+    tensor_parallel_size: int = 1  # engine processes sharing each step, one device each
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
@@ -128,6 +129,7 @@ class EngineConfig:
             "cuda_graph_max_bs": 0,
             "cuda_graph_max_prefill_tokens": 0,
             "steps_in_flight": 1,
+            "tensor_parallel_size": 1,
         }
         for name, least in at_least.items():
             value = getattr(self, name)

@@ -1,19 +1,28 @@
-"""The in-process offline API: scheduler and engine tied together with no processes."""
+"""The in-process offline API: scheduler and engine tied together with no processes. Under tensor
+parallelism the caller's process is rank 0 and the other ranks are processes of their own, which
+rank 0 hands each step plan to (torch.distributed's broadcast)."""
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing as mp
+import os
+import shutil
+import tempfile
+import weakref
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from runtime.config import EngineConfig
+from runtime.config import EngineConfig, ModelConfig
+from runtime.distributed import TensorParallel, check_parallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.models.source import load_tokenizer, resolve_model_dir
 from runtime.obs.gc_pauses import freeze_startup_heap
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Request, Scheduler
+from transport.lifetime import on_parent_death
 
 
 @dataclass(frozen=True)
@@ -26,11 +35,57 @@ class GenerationOutput:
     cached_tokens: int
 
 
+def _serve_rank(model_dir: Path, config: EngineConfig, rank: int, rendezvous: str) -> None:
+    """A rank other than 0 of an in-process LLM: every plan rank 0 broadcasts, until None."""
+    on_parent_death()
+    device = rank_device(config.device, rank)
+    engine = Engine(model_dir, config, TensorParallel.join(rank, config.tensor_parallel_size, rendezvous, device), device)
+    unread: deque[PendingStep] = deque()
+    while (plan := engine.tp.broadcast(None)) is not None:
+        unread.append(engine.launch(plan))
+        if len(unread) >= config.steps_in_flight:
+            unread.popleft().result()
+    os._exit(0)  # tearing down a communicator that CUDA graphs captured can hang; the process ends anyway
+
+
+class _Ranks:
+    """Ranks 1..N-1 of an in-process LLM, and the rendezvous they met rank 0 at."""
+
+    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
+        self.folder = tempfile.mkdtemp(prefix="ringllm-tp-")
+        self.rendezvous = f"{self.folder}/rendezvous"
+        spawn = mp.get_context("spawn")
+        self.procs = [
+            spawn.Process(target=_serve_rank, args=(model_dir, config, rank, self.rendezvous), daemon=True)
+            for rank in range(1, config.tensor_parallel_size)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    @staticmethod
+    def stop(tp: TensorParallel, procs: list, folder: str) -> None:
+        """Rank 0 keeps its side of the group until the next LLM's join replaces it (TensorParallel.join)."""
+        try:
+            tp.broadcast(None)
+        finally:
+            for proc in procs:
+                proc.join(10)
+                if proc.is_alive():
+                    proc.kill()
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 class LLM:
     def __init__(self, model_path: str | Path | None = None, **options) -> None:
         self.model_dir = resolve_model_dir(None if model_path is None else str(model_path))
         self.config = EngineConfig(**options)
-        self.engine = Engine(self.model_dir, self.config)
+        check_parallel(ModelConfig.load(self.model_dir), self.config)
+        tp, device = TensorParallel(), rank_device(self.config.device, 0)
+        if self.config.tensor_parallel_size > 1:
+            ranks = _Ranks(self.model_dir, self.config)
+            tp = TensorParallel.join(0, self.config.tensor_parallel_size, ranks.rendezvous, device)
+            self._finalizer = weakref.finalize(self, _Ranks.stop, tp, ranks.procs, ranks.folder)
+        self.engine = Engine(self.model_dir, self.config, tp, device)
         cfg = self.engine.model_config
         self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
         self.tokenizer = load_tokenizer(self.model_dir)
@@ -50,6 +105,8 @@ class LLM:
         while self.scheduler.has_work() or in_flight:
             plan = self.scheduler.schedule() if len(in_flight) < depth else None
             if plan:
+                if self.engine.tp.size > 1:
+                    self.engine.tp.broadcast(plan)
                 in_flight.append((plan.step, self.engine.launch(plan)))
             if in_flight and (len(in_flight) == depth or not plan):
                 step, pending = in_flight.popleft()
@@ -76,3 +133,8 @@ class LLM:
 
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (also done when the LLM is garbage-collected)."""
+        if hasattr(self, "_finalizer"):
+            self._finalizer()

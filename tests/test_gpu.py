@@ -101,6 +101,15 @@ def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(
     assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer"), "flashinfer + CUDA graphs")
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("kv_heads", [2, 1])  # split, and replicated on both ranks
+def test_two_gpu_ranks_give_the_tokens_of_one_with_cuda_graphs(tmp_path, kv_heads):
+    """NCCL all-reduces inside the decode and prefill graphs, and the vocabulary split over two GPUs."""
+    model_dir = build("qwen3", tmp_path, head_dim=128, num_key_value_heads=kv_heads)
+    reference = greedy_run(model_dir, attention_backend="flashinfer")
+    assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer", tensor_parallel_size=2), "two ranks")
+
+
 def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
     """Fresh prompts, chunks over a cached prefix, several sequences in a step and smaller steps after
     larger ones (whose rows linger in the static buffers): replayed as prefill graphs, they must give

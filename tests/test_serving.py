@@ -31,9 +31,9 @@ QUESTIONS = [
 ]
 
 
-async def complete_ids(base_url: str, model: str, prompts: list[list[int]]) -> list[list[int]]:
+async def complete_ids(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
     """Greedy completions of token-id prompts, all in flight at once; returns the generated ids."""
-    body = dict(model=model, max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, return_token_ids=True)
+    body = dict(model=model, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True)
     async with aiohttp.ClientSession(base_url) as http:
 
         async def one(prompt: list[int]) -> list[int]:

@@ -19,6 +19,7 @@ import torch
 from runtime.attention import ATTENTION_BACKENDS
 from runtime.attention.pool import KVPool
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_one_row_fusion
@@ -111,16 +112,21 @@ class HostStep:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
-        self.config = config
-        self.device = torch.device(config.device)
+    def __init__(self, model_dir: Path, config: EngineConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
+        """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
+        when None). Every rank runs every step; each holds its shard of the weights and its heads' KV."""
+        self.config, self.tp = config, tp
+        self.device = device or torch.device(config.device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
         self.model_config = cfg = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights)
-        self.num_pages = self._pool_pages()
+        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp)
+        self.kv_heads = tp.split(cfg.num_kv_heads)[1]
+        self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
-        self.pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype, self.device)
-        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, cfg.num_heads)
+        self.pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, self.kv_heads, cfg.head_dim, self.dtype, self.device)
+        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1])
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
         self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
@@ -133,7 +139,8 @@ class Engine:
         if graphs and config.cuda_graph_max_bs:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
-            one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
+            if tp.size == 1:  # the fused kernels add the residual before the all-reduce could
+                one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
         if graphs and config.cuda_graph_max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(
@@ -149,6 +156,7 @@ class Engine:
         log.info(
             "engine_ready",
             architecture=cfg.architecture,
+            tp_rank=f"{tp.rank}/{tp.size}",
             dtype=str(self.dtype),
             device=str(self.device),
             pages=self.num_pages,
@@ -187,7 +195,7 @@ class Engine:
             return config.pages_for(DEFAULT_KV_TOKENS)
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * config.mem_fraction - (total - free)
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, cfg.num_kv_heads, cfg.head_dim, self.dtype)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.dtype)
         if budget < 16 * page_bytes:
             raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
         return int(budget // page_bytes) - 1

@@ -1,5 +1,7 @@
 """The dense decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
-q, k and v share one projection, gate and up another (`STACKED` maps the checkpoint's matrices)."""
+q, k and v share one projection, gate and up another (`STACKED` maps the checkpoint's matrices).
+Under tensor parallelism each rank builds its shard (runtime.models.sharding) and sums the
+row-parallel projections' partial outputs with one all-reduce each."""
 
 from __future__ import annotations
 
@@ -8,13 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
 from runtime.config import ModelConfig
+from runtime.distributed import TensorParallel
 from runtime.engine.batch import ForwardBatch
 from runtime.kernels.rope import Rope
 from runtime.models.layers import FusedOps, RMSNorm, rope_cos_sin_cache
+from runtime.models.sharding import vocab_shard
 
 # checkpoint name part -> (our parameter name part, shard index)
 STACKED = {
@@ -27,10 +32,15 @@ STACKED = {
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.layer, self.heads, self.kv_heads, self.head_dim = layer, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size, self.kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        self.layer, self.heads, self.kv_heads, self.head_dim = (
+            layer,
+            tp.split(cfg.num_heads)[1],
+            tp.split(cfg.num_kv_heads)[1],
+            cfg.head_dim,
+        )
+        self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
@@ -62,12 +72,30 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.gate_up_proj.shard_sizes = (cfg.intermediate_size, cfg.intermediate_size)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        intermediate = tp.split(cfg.intermediate_size)[1]
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
+        self.gate_up_proj.shard_sizes = (intermediate, intermediate)
+        self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.ops = ops
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """This rank's rows of the embedding; the ranks' lookups summed (each id is found on one rank)."""
+
+    def __init__(self, cfg: ModelConfig, tp: TensorParallel) -> None:
+        self.first, rows = vocab_shard(cfg.vocab_size, tp)
+        super().__init__(rows, cfg.hidden_size)
+        self.tp = tp
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return super().forward(ids)
+        local = ids - self.first
+        elsewhere = (local < 0) | (local >= self.num_embeddings)
+        found = F.embedding(local.masked_fill(elsewhere, 0), self.weight).masked_fill_(elsewhere[:, None], 0)
+        return self.tp.all_reduce(found)
 
 
 NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], tuple[torch.Tensor, torch.Tensor]]
@@ -96,10 +124,11 @@ def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNo
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, layer, ops, tp)
+        self.mlp = MLP(cfg, ops, tp)
+        self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.one_row = NO_FUSION
@@ -114,7 +143,8 @@ class DecoderLayer(nn.Module):
     def forward_with(
         self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor], fused: OneRowFusion
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """forward, with attention as `attend` (qkv -> attended rows): how start-up times a fusion."""
+        """forward, with attention as `attend` (qkv -> attended rows): how start-up times a fusion.
+        One-row fusions add the residual inside o_proj and down_proj: one rank only (Engine)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
         attended = attend(qkv)
@@ -122,27 +152,27 @@ class DecoderLayer(nn.Module):
             h = fused.o_proj(attended, attn.o_proj, residual)
             gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)
             return fused.down(gate_up, mlp.down_proj, h), None
-        h = attn.o_proj(attended)
+        h = self.tp.all_reduce(attn.o_proj(attended))
         gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         if fused.down is not None:
             return fused.down(gate_up, mlp.down_proj, None), residual
-        return mlp.down_proj(mlp.ops.silu_and_mul(gate_up)), residual
+        return self.tp.all_reduce(mlp.down_proj(mlp.ops.silu_and_mul(gate_up))), residual
 
 
 class DenseModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops) for i in range(cfg.num_layers))
+        self.embed_tokens = VocabParallelEmbedding(cfg, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class DenseForCausalLM(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: FusedOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.config = cfg
-        self.model = DenseModel(cfg, ops)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.model = DenseModel(cfg, ops, tp)
+        self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.rope_cache_fp32, self.rope_tables = ops.rope_cache_fp32, ops.rope_tables
 
     def tie_weights(self) -> None:
@@ -162,5 +192,7 @@ class DenseForCausalLM(nn.Module):
         return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """In the model's dtype: the sampler widens only what it must."""
-        return self.lm_head(hidden)
+        """In the model's dtype: the sampler widens only what it must. Every rank gets all of them."""
+        if self.tp.size == 1:
+            return self.lm_head(hidden)
+        return self.tp.all_gather_columns(self.lm_head(hidden))[:, : self.config.vocab_size]

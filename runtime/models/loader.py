@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import structlog
@@ -10,24 +11,33 @@ from safetensors import safe_open
 from torch import nn
 
 from runtime.config import ModelConfig
+from runtime.distributed import SINGLE, TensorParallel
 from runtime.models.cpu_linears import prepack_linears
 from runtime.models.dense import STACKED
 from runtime.models.layers import select_fused_ops
 from runtime.models.registry import MODELS
+from runtime.models.sharding import shard_tensor
 
 log = structlog.get_logger()
 IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
 
 
 def build_model(
-    cfg: ModelConfig, model_dir: Path, dtype: torch.dtype, device: torch.device, dummy: bool, fused_ops: str | None = None
+    cfg: ModelConfig,
+    model_dir: Path,
+    dtype: torch.dtype,
+    device: torch.device,
+    dummy: bool,
+    fused_ops: str | None = None,
+    tp: TensorParallel = SINGLE,
 ) -> nn.Module:
+    """The model on `device`, holding this rank's shard of every weight."""
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)
     log.info("fused_ops", ops=ops_name, rope_kv_write="triton" if ops.rope_kv_write else None)
     with torch.device("meta"):  # no time spent initialising weights that are overwritten next
-        model = MODELS[cfg.architecture](cfg, ops)
+        model = MODELS[cfg.architecture](cfg, ops, tp)
     model.fused_ops = ops_name
     model.to_empty(device=device)
     model.to(dtype)
@@ -36,14 +46,14 @@ def build_model(
     if dummy:
         _random_weights(model)
     else:
-        _load_safetensors(model, model_dir)
+        _load_safetensors(model, model_dir, lambda name, tensor: shard_tensor(name, tensor, cfg, tp))
     model.make_rope_cache(device, dtype)
     if device.type == "cpu":
         log.info("cpu_linears", kind=prepack_linears(model, dtype))
     return model.eval()
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
+def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
     params = dict(model.named_parameters())  # tied weights appear once
     shards = {
         f"{prefix}.{kind}": module.shard_sizes
@@ -57,11 +67,11 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
         """Where a checkpoint tensor goes: its parameter, or its rows of a stacked one."""
         if name in params:
             return name, params[name]
-        for part, (stacked, shard) in STACKED.items():
+        for part, (stacked, index) in STACKED.items():
             target = name.replace(f".{part}.", f".{stacked}.")
             if target != name and target in shards:
                 sizes = shards[target]
-                return f"{target}#{shard}", params[target].narrow(0, sum(sizes[:shard]), sizes[shard])
+                return f"{target}#{index}", params[target].narrow(0, sum(sizes[:index]), sizes[index])
         return None
 
     missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
@@ -76,7 +86,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path) -> None:
                 for name in f.keys():
                     if (found := destination(name)) is not None:
                         key, target = found
-                        target.copy_(f.get_tensor(name))
+                        target.copy_(shard(name, f.get_tensor(name)))
                         missing.discard(key)
                     elif not name.endswith(IGNORED):
                         unknown.append(name)

@@ -1,0 +1,105 @@
+"""Tensor parallelism's process group: a rank's place among N, and the two collectives the sharded
+model calls (torch.distributed: NCCL on CUDA, gloo on CPU). A group of one does no communication."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runtime.config import EngineConfig, ModelConfig
+
+# ranks' tensors stacked by rows into one; torch renamed it (2.13 deprecates the old name)
+_all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    host_group: Any = None  # gloo, for Python objects, where the default group is NCCL
+
+    @staticmethod
+    def join(rank: int, size: int, rendezvous: str, device: torch.device) -> TensorParallel:
+        """Join the group that meets at `rendezvous`, a file every rank of it opens (torch's FileStore).
+        On CPU the ranks share the cores: each computes with its share of them."""
+        if size == 1:
+            return SINGLE
+        if dist.is_initialized():  # a closed LLM's group, its other ranks gone
+            dist.destroy_process_group()
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+            dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device)
+            return TensorParallel(rank, size, dist.new_group(backend="gloo"))
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+        return TensorParallel(rank, size)
+
+    def broadcast(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank."""
+        box = [obj]
+        dist.broadcast_object_list(box, src=0, group=self.host_group)
+        return box[0]
+
+    def split(self, total: int) -> tuple[int, int]:
+        """This rank's (start, count) of `total` units split evenly; a count below one unit per rank
+        (KV heads fewer than ranks) gives each rank one unit, shared by size // total ranks."""
+        if total >= self.size:
+            count = total // self.size
+            return self.rank * count, count
+        return self.rank * total // self.size, 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.size > 1:
+            dist.all_reduce(x)
+        return x
+
+    def all_gather_columns(self, x: torch.Tensor) -> torch.Tensor:
+        """[rows, cols] on each rank -> [rows, size·cols] on every rank, rank 0's columns first."""
+        if self.size == 1:
+            return x
+        out = torch.empty((self.size * x.shape[0], x.shape[1]), dtype=x.dtype, device=x.device)
+        _all_gather_rows(out, x.contiguous())
+        return out.view(self.size, *x.shape).permute(1, 0, 2).reshape(x.shape[0], -1)
+
+    def min(self, value: int) -> int:
+        """The smallest `value` over the ranks (each rank sizes its KV pool from its own device)."""
+        if self.size == 1:
+            return value
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+        held = torch.tensor([value], dtype=torch.int64, device=device)
+        dist.all_reduce(held, op=dist.ReduceOp.MIN)
+        return int(held.item())
+
+
+SINGLE = TensorParallel()
+
+
+def rank_device(device: str, index: int) -> torch.device:
+    """The device of the index-th engine process: CUDA ones take consecutive devices from `device`'s."""
+    base = torch.device(device)
+    return torch.device("cuda", (base.index or 0) + index) if base.type == "cuda" else base
+
+
+def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) -> None:
+    """Refuse, before anything loads, a split the model or the machine cannot take."""
+    size = config.tensor_parallel_size
+    if cfg.num_heads % size:
+        raise ValueError(f"the model's {cfg.num_heads} attention heads do not split over tensor_parallel_size {size}")
+    if cfg.num_kv_heads % size and size % cfg.num_kv_heads:
+        raise ValueError(f"the model's {cfg.num_kv_heads} KV heads neither split over nor replicate across {size} ranks")
+    if cfg.intermediate_size % size:
+        raise ValueError(f"the model's intermediate size {cfg.intermediate_size} does not split over tensor_parallel_size {size}")
+    cuda = config.device.startswith("cuda")
+    if cuda:
+        wanted, first = size * replicas, torch.device(config.device).index or 0
+        if first + wanted > (have := torch.cuda.device_count()):
+            raise ValueError(
+                f"{size} tensor-parallel ranks x {replicas} replicas need {wanted} GPUs from cuda:{first}; "
+                f"{have} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
+            )
+    if size > 1 and not (dist.is_available() and (dist.is_nccl_available() if cuda else dist.is_gloo_available())):
+        raise ValueError(f"tensor_parallel_size {size} needs torch.distributed with {'NCCL' if cuda else 'gloo'}")
