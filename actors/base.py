@@ -14,6 +14,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,11 +115,17 @@ class Actor:
         """`epoch`: that of the frame this output comes from. The actor may have moved to a newer
         epoch while it worked (across an await); output of a gone epoch is dropped here rather
         than stamped as new."""
+        await self.send_all((peer,), payload, rid, epoch)
+
+    async def send_all(self, peers: Sequence[str], payload: Payload, rid: int = 0, epoch: int | None = None) -> None:
+        """One payload to each of `peers`, or to none: copies of one stream (tensor-parallel ranks)
+        must not part, even if the epoch moves on while a full ring makes a write wait."""
         epoch = self.epoch if epoch is None else epoch
         if epoch < self.epoch:
             return
         meta, arrays = payload.to_wire()
-        await codec.send(self.outputs[peer], payload.KIND, rid, meta, arrays, epoch=epoch)
+        for peer in peers:
+            await codec.send(self.outputs[peer], payload.KIND, rid, meta, arrays, epoch=epoch)
 
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch

@@ -96,8 +96,7 @@ class SchedulerActor(Actor):
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
                 self._on_planned(plan)
-                for engine in self.engines:  # every tensor-parallel rank runs every step
-                    await self.send(engine, Step(plan), plan.step, epoch=epoch)
+                await self.send_all(self.engines, Step(plan), plan.step, epoch=epoch)  # every tensor-parallel rank runs it
                 if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
                     self.in_flight.append(plan.step)
                 self._publish_gauges()
