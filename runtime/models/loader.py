@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -16,7 +17,7 @@ from runtime.models.cpu_linears import prepack_linears
 from runtime.models.dense import STACKED
 from runtime.models.layers import select_fused_ops
 from runtime.models.registry import MODELS
-from runtime.models.sharding import shard_tensor
+from runtime.models.sharding import read_shard
 
 log = structlog.get_logger()
 IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
@@ -46,14 +47,15 @@ def build_model(
     if dummy:
         _random_weights(model)
     else:
-        _load_safetensors(model, model_dir, lambda name, tensor: shard_tensor(name, tensor, cfg, tp))
+        _load_safetensors(model, model_dir, lambda name, source: read_shard(name, source, cfg, tp))
     model.make_rope_cache(device, dtype)
     if device.type == "cpu":
         log.info("cpu_linears", kind=prepack_linears(model, dtype))
     return model.eval()
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, torch.Tensor], torch.Tensor]) -> None:
+def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, Any], torch.Tensor]) -> None:
+    """Each tensor through `shard` (name, safetensors slice) -> what this rank keeps of it."""
     params = dict(model.named_parameters())  # tied weights appear once
     shards = {
         f"{prefix}.{kind}": module.shard_sizes
@@ -86,7 +88,7 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, t
                 for name in f.keys():
                     if (found := destination(name)) is not None:
                         key, target = found
-                        target.copy_(shard(name, f.get_tensor(name)))
+                        target.copy_(shard(name, f.get_slice(name)))
                         missing.discard(key)
                     elif not name.endswith(IGNORED):
                         unknown.append(name)

@@ -5,6 +5,8 @@ KV heads fewer than the ranks are replicated: rank r holds head r·kv_heads // r
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from runtime.config import ModelConfig
@@ -17,27 +19,34 @@ def vocab_shard(vocab_size: int, tp: TensorParallel) -> tuple[int, int]:
     return tp.rank * rows, rows
 
 
-def shard_tensor(name: str, tensor: torch.Tensor, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
-    """This rank's part of the checkpoint tensor `name` (a Hugging Face name)."""
+def read_shard(name: str, source: Any, cfg: ModelConfig, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of the checkpoint tensor `name` (a Hugging Face name), reading only that part
+    of `source` (a safetensors slice, or anything indexed alike)."""
     if tp.size == 1:
-        return tensor
+        return source[:]
     part, kind = name.split(".")[-2:]
     dim = cfg.head_dim
+    if part == "o_proj" and kind == "bias":  # added once, after the all-reduce's sum
+        return source[:] if tp.rank == 0 else torch.zeros_like(source[:])
     if part in ("q_proj", "o_proj"):
-        if part == "o_proj" and kind == "bias":  # added once, after the all-reduce's sum
-            return tensor if tp.rank == 0 else torch.zeros_like(tensor)
         start, count = tp.split(cfg.num_heads)
-        return tensor.narrow(0 if part == "q_proj" else 1, start * dim, count * dim)
+        return _rows(source, start * dim, count * dim) if part == "q_proj" else _columns(source, start * dim, count * dim)
     if part in ("k_proj", "v_proj"):
         start, count = tp.split(cfg.num_kv_heads)
-        return tensor.narrow(0, start * dim, count * dim)
+        return _rows(source, start * dim, count * dim)
     if part in ("gate_proj", "up_proj", "down_proj"):
         start, count = tp.split(cfg.intermediate_size)
-        return tensor.narrow(0 if part != "down_proj" else 1, start, count)
+        return _rows(source, start, count) if part != "down_proj" else _columns(source, start, count)
     if part in ("embed_tokens", "lm_head"):
         start, rows = vocab_shard(cfg.vocab_size, tp)
-        kept = tensor[start : start + rows]
-        if len(kept) == rows:
-            return kept
-        return torch.cat([kept, kept.new_zeros(rows - len(kept), *kept.shape[1:])])
-    return tensor
+        kept = _rows(source, start, max(0, min(rows, cfg.vocab_size - start)))
+        return kept if len(kept) == rows else torch.cat([kept, kept.new_zeros(rows - len(kept), *kept.shape[1:])])
+    return source[:]
+
+
+def _rows(source: Any, start: int, count: int) -> torch.Tensor:
+    return source[start : start + count]
+
+
+def _columns(source: Any, start: int, count: int) -> torch.Tensor:
+    return source[:, start : start + count]
