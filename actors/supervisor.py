@@ -61,7 +61,8 @@ class Supervisor:
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
-        self._group_starts: dict[str, int] = {}  # how often each group has been started: names its rendezvous
+        # how often each group (ActorSpec.group) has been started: names its rendezvous
+        self._group_starts = {actor.group: 1 for actor in topology.actors if actor.group is not None}
         self._stopping = False
         self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -253,7 +254,7 @@ class Supervisor:
 
     def _rendezvous(self, group: str) -> str:
         """The name in SHM_DIR where this start of the group meets (torch.distributed's FileStore)."""
-        return f"{self.topology.prefix}{group}-{self._group_starts.setdefault(group, 1)}"
+        return f"{self.topology.prefix}{group}-{self._group_starts[group]}"
 
     def _kill_hung(self) -> None:
         """Kill an actor not ready after ready_timeout_s, a ready one whose heartbeat is older than

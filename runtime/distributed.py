@@ -84,7 +84,7 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + index) if base.type == "cuda" else base
 
 
-def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) -> None:
+def check_parallel(cfg: ModelConfig, config: EngineConfig) -> None:
     """Refuse, before anything loads, a split the model or the machine cannot take."""
     size = config.tensor_parallel_size
     if cfg.num_heads % size:
@@ -95,10 +95,10 @@ def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) ->
         raise ValueError(f"the model's intermediate size {cfg.intermediate_size} does not split over tensor_parallel_size {size}")
     cuda = config.device.startswith("cuda")
     if cuda:
-        wanted, first = size * replicas, torch.device(config.device).index or 0
-        if first + wanted > (have := torch.cuda.device_count()):
+        first = torch.device(config.device).index or 0
+        if first + size > (have := torch.cuda.device_count()):
             raise ValueError(
-                f"{size} tensor-parallel ranks x {replicas} replicas need {wanted} GPUs from cuda:{first}; "
+                f"{size} tensor-parallel ranks need {size} GPUs from cuda:{first}; "
                 f"{have} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
             )
     if size > 1 and not (dist.is_available() and (dist.is_nccl_available() if cuda else dist.is_gloo_available())):

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from runtime.config import EngineConfig, ModelConfig
-from runtime.distributed import TensorParallel, check_parallel, rank_device
+from runtime.distributed import SINGLE, TensorParallel, check_parallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.models.source import load_tokenizer, resolve_model_dir
 from runtime.obs.gc_pauses import freeze_startup_heap
@@ -80,7 +80,7 @@ class LLM:
         self.model_dir = resolve_model_dir(None if model_path is None else str(model_path))
         self.config = EngineConfig(**options)
         check_parallel(ModelConfig.load(self.model_dir), self.config)
-        tp, device = TensorParallel(), rank_device(self.config.device, 0)
+        tp, device = SINGLE, rank_device(self.config.device, 0)
         if self.config.tensor_parallel_size > 1:
             ranks = _Ranks(self.model_dir, self.config)
             tp = TensorParallel.join(0, self.config.tensor_parallel_size, ranks.rendezvous, device)

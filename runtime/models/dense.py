@@ -34,12 +34,8 @@ STACKED = {
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.layer, self.heads, self.kv_heads, self.head_dim = (
-            layer,
-            tp.split(cfg.num_heads)[1],
-            tp.split(cfg.num_kv_heads)[1],
-            cfg.head_dim,
-        )
+        self.layer, self.head_dim = layer, cfg.head_dim
+        self.heads, self.kv_heads = tp.split(cfg.num_heads)[1], tp.split(cfg.num_kv_heads)[1]  # this rank's
         self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
