@@ -26,6 +26,7 @@ from actors.control import ActorState
 from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, Ping, Submit, decode
 from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import make_rid
+from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.protocol import ApiError, Limits
 from runtime.config import ModelConfig
@@ -60,7 +61,9 @@ class ApiWorker(Actor):
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
         self.slot["gauges"][ApiGauge.LIVE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0
-        self._flushes: dict[int, asyncio.Future[int]] = {}  # rid -> the flush's evicted page count, once back
+        self.schedulers = scheduler_names(serve)
+        # rid -> the pages each replica's flush evicted, and the future that gets their sum once all are back
+        self._flushes: dict[int, tuple[list[int], asyncio.Future[int]]] = {}
         self._replaying: asyncio.Task | None = None
         self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
         await self.runner.setup()
@@ -103,8 +106,11 @@ class ApiWorker(Actor):
                     case Ping():
                         self.last_pong = time.monotonic()
                     case FlushCache(pages=pages):
-                        if (flushed := self._flushes.pop(frame.rid, None)) is not None and not flushed.done():
-                            flushed.set_result(pages)
+                        if (flush := self._flushes.get(frame.rid)) is not None:
+                            answers, flushed = flush
+                            answers.append(pages)
+                            if len(answers) == len(self.schedulers) and not flushed.done():
+                                flushed.set_result(sum(answers))
         finally:
             pinger.cancel()
 
@@ -171,7 +177,8 @@ class ApiWorker(Actor):
 
     async def flush_cache(self) -> int:
         rid = make_rid(self.worker, next(self._counter))
-        self._flushes[rid] = flushed = asyncio.get_running_loop().create_future()
+        flushed = asyncio.get_running_loop().create_future()
+        self._flushes[rid] = ([], flushed)
         try:
             await self.send("tokenizer", FlushCache(), rid)
             return await asyncio.wait_for(flushed, FLUSH_TIMEOUT_S)
@@ -189,10 +196,15 @@ class ApiWorker(Actor):
         return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:
-        gauges = self.control.slots[self.control.index("scheduler")]["gauges"]
+        """The schedulers' gauges: each replica's, and their sums under "scheduler"."""
+        replicas = []
+        for name in self.schedulers:
+            gauges = self.control.slots[self.control.index(name)]["gauges"]
+            replicas.append({g.name.lower(): int(gauges[g]) for g in SchedulerGauge})
         return {
             "model": self.served_model,
             "max_model_len": self.max_model_len,
             "epoch": self.epoch,
-            "scheduler": {g.name.lower(): int(gauges[g]) for g in SchedulerGauge},
+            "scheduler": {key: sum(replica[key] for replica in replicas) for key in replicas[0]},
+            "replicas": replicas,
         }

@@ -15,6 +15,7 @@ from actors.supervisor import Supervisor, SupervisorConfig
 from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, EngineConfig, device_defaults
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
+from runtime.scheduler.router import POLICIES
 
 HELP = {  # the serve flags whose help is too long to sit beside them
     "body-timeout": "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its "
@@ -84,26 +85,28 @@ def serve(args: argparse.Namespace) -> int:
             tensor_parallel_size=args.tensor_parallel_size,
         )
         model_dir = resolve_model_dir(args.model)
-        if engine.tensor_parallel_size > 1:  # torch only for a split
+        config = ServeConfig(
+            model_dir=str(model_dir),
+            served_model_name=args.served_model_name or args.model or NAME,
+            host=args.host,
+            port=args.port,
+            api_workers=args.api_workers,
+            engine=engine,
+            max_queued_requests=args.max_queued_requests,
+            request_timeout=args.request_timeout,
+            body_timeout=args.body_timeout,
+            watchdog_timeout=args.watchdog_timeout,
+            data_parallel_size=args.data_parallel_size,
+            dp_policy=args.dp_policy,
+        )
+        if engine.tensor_parallel_size > 1 or config.data_parallel_size > 1:  # torch only for a split or replicas
             from runtime.config import ModelConfig
             from runtime.distributed import check_parallel
 
-            check_parallel(ModelConfig.load(model_dir), engine)
+            check_parallel(ModelConfig.load(model_dir), engine, config.data_parallel_size)
     except ValueError as exc:  # before any process starts
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
-    config = ServeConfig(
-        model_dir=str(model_dir),
-        served_model_name=args.served_model_name or args.model or NAME,
-        host=args.host,
-        port=args.port,
-        api_workers=args.api_workers,
-        engine=engine,
-        max_queued_requests=args.max_queued_requests,
-        request_timeout=args.request_timeout,
-        body_timeout=args.body_timeout,
-        watchdog_timeout=args.watchdog_timeout,
-    )
     supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
     return Supervisor(pipeline(config), supervisor).run()
 
@@ -204,6 +207,22 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=engine.tensor_parallel_size,
         help="engine processes that split the model, one device each (engine0..engineN-1 in `ringllm status`)",
+    )
+    s.add_argument(
+        "--dp",
+        "--data-parallel-size",
+        dest="data_parallel_size",
+        type=int,
+        default=ServeConfig.data_parallel_size,
+        help="replicas, each a scheduler and engine(s) with its own KV cache, on --dp x --tp devices "
+        "(scheduler0.., engine0.. or engine0.0.. in `ringllm status`)",
+    )
+    s.add_argument(
+        "--dp-policy",
+        choices=POLICIES,
+        default=ServeConfig.dp_policy,
+        help="how requests are placed on replicas: cache_aware (the replica holding the longest prefix, unless it is "
+        "busier than the least loaded by a margin), round_robin, least_load (default: %(default)s)",
     )
     s.add_argument(
         "--max-queued-requests", type=int, default=ServeConfig.max_queued_requests, help="beyond running + queued, new requests get a 503"

@@ -38,6 +38,7 @@ class ActorState(IntEnum):
     STARTING = 0
     READY = 1
     STOPPING = 2
+    DOWN = 3  # exited (or its group is going down), set by the supervisor until the restart
 
 
 class ControlBlock:

@@ -5,6 +5,7 @@ behind them at once, and a step's results are sent as soon as the device has the
 steps are in flight it stamps when it last made progress (EngineGauge.PROGRESS); the supervisor treats
 a stamp older than --watchdog-timeout as a crash.
 
+A data-parallel replica's engine takes the devices after those of the replicas before it.
 Under tensor parallelism each rank is an engine actor: it joins its group at the rendezvous the
 supervisor names, runs every plan the scheduler sends it, and only rank 0 answers. The ranks move
 to a new epoch where their frames do, so they launch the same steps in the same order.
@@ -18,16 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 from collections import deque
 from pathlib import Path
 from typing import NamedTuple
 
 import structlog
+import torch
 
 from actors.base import Actor
 from actors.frames import Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
+from actors.pipeline import scheduler_names
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs.metrics import metrics
@@ -48,18 +52,21 @@ class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
-        config, self.rank = serve.engine, self.options["rank"]
+        config, self.rank, replica = serve.engine, self.options["rank"], self.options["replica"]
+        self.scheduler = scheduler_names(serve)[replica]
         if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
-        device = rank_device(config.device, self.rank)
+        device = rank_device(config.device, replica * config.tensor_parallel_size + self.rank)
         tp = TensorParallel.join(self.rank, config.tensor_parallel_size, self.ctx.rendezvous, device)
+        if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1
         self.engine = Engine(Path(serve.model_dir), config, tp, device)
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
-        self.m_step_duration = metrics().step_duration
+        self.m_step_duration = metrics().step_duration.labels(str(replica))
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
 
     def on_epoch(self, epoch: int) -> None:
@@ -74,7 +81,7 @@ class EngineActor(Actor):
             if got is not None:
                 payload = decode(got[1])
                 if isinstance(payload, Ping):  # only rank 0 is pinged
-                    await self.send("scheduler", payload, got[1].rid)
+                    await self.send(self.scheduler, payload, got[1].rid)
                     continue
                 assert isinstance(payload, Step)
                 plan = payload.plan
@@ -113,4 +120,4 @@ class EngineActor(Actor):
             self.last_done = now
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
             if self.rank == 0:
-                await self.send("scheduler", StepResults(done.step, results), done.step)
+                await self.send(self.scheduler, StepResults(done.step, results), done.step)

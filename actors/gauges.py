@@ -31,3 +31,4 @@ class SchedulerGauge(IntEnum):
     RUNNING = 2
     WAITING = 3
     CACHED_PAGES = 4
+    TAKEN = 5  # requests taken in since the process started: the router counts those still on their way

@@ -1,6 +1,9 @@
 """The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers.
-Under tensor parallelism the engine is N rank processes (engine0..engineN-1, one group): the
-scheduler sends each plan to every rank, and rank 0 answers."""
+
+Under tensor parallelism an engine is N rank processes (one group): the scheduler sends each plan
+to every rank, and rank 0 answers. Under data parallelism there are M replicas, each a scheduler
+and its engine (group), with its own KV pool and prefix cache; the tokenizer places each request on
+one (runtime.scheduler.router) and every replica's tokens meet at the one detokenizer."""
 
 from __future__ import annotations
 
@@ -9,6 +12,7 @@ from dataclasses import dataclass, field
 from actors.gauges import ApiGauge
 from actors.topology import ActorSpec, Edge, Topology
 from runtime.config import EngineConfig
+from runtime.scheduler.router import POLICIES
 
 TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto",)  # AutoTokenizer, and torch with it
 
@@ -24,50 +28,71 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds a request may take, queueing included
     body_timeout: float = 30.0  # seconds a client may take to send a request's body; then a 408, and the connection closes
     watchdog_timeout: float = 60.0  # an engine step with no progress for this long is a crash
+    data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
+    dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
     engine: EngineConfig = field(default_factory=EngineConfig)
+
+    def __post_init__(self) -> None:
+        if self.data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size must be at least 1, not {self.data_parallel_size}")
+        if self.dp_policy not in POLICIES:
+            raise ValueError(f"dp_policy must be one of {', '.join(POLICIES)}, not {self.dp_policy!r}")
 
 
 def api_worker_names(config: ServeConfig) -> list[str]:
     return [f"api{i}" for i in range(config.api_workers)]
 
 
-def engine_names(config: ServeConfig) -> list[str]:
-    """The engine's rank processes, rank 0 first."""
-    ranks = config.engine.tensor_parallel_size
-    return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in range(ranks)]
+def scheduler_names(config: ServeConfig) -> list[str]:
+    """One per replica: scheduler, or scheduler0..schedulerM-1."""
+    replicas = config.data_parallel_size
+    return ["scheduler"] if replicas == 1 else [f"scheduler{r}" for r in range(replicas)]
+
+
+def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
+    """A replica's engine processes, rank 0 first: engine, engine{rank}, engine{replica} or engine{replica}.{rank}."""
+    ranks, replicas = config.engine.tensor_parallel_size, config.data_parallel_size
+    if replicas == 1:
+        return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in range(ranks)]
+    return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in range(ranks)]
 
 
 def pipeline(config: ServeConfig) -> Topology:
     options = {"serve": config}
-    workers, engines = api_worker_names(config), engine_names(config)
-    actors = (
-        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, preload=TOKENIZER_MODULES),
-        ActorSpec("scheduler", "scheduler", "actors.scheduler:SchedulerActor", options),
-        *(
+    workers, schedulers = api_worker_names(config), scheduler_names(config)
+    ranks = config.engine.tensor_parallel_size
+    engines: list[ActorSpec] = []
+    edges: list[Edge] = [Edge(name, "tokenizer") for name in workers]
+    for replica, scheduler in enumerate(schedulers):
+        names = engine_names(config, replica)
+        engines += [
             ActorSpec(
                 name,
                 "engine",
                 "actors.engine:EngineActor",
-                {**options, "rank": rank},
+                {**options, "replica": replica, "rank": rank},
                 torch_threads=True,
                 preload=("torch",),
                 watchdog_s=config.watchdog_timeout,
-                group="engines" if len(engines) > 1 else None,
+                group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
             )
-            for rank, name in enumerate(engines)
-        ),
+            for rank, name in enumerate(names)
+        ]
+        edges += [
+            Edge("tokenizer", scheduler, 16 << 20),
+            *(Edge(scheduler, name, 16 << 20) for name in names),  # a plan carries the histories of the slots it opens
+            Edge(names[0], scheduler),
+            Edge(scheduler, "detokenizer"),
+        ]
+    edges += [Edge("detokenizer", name) for name in workers]
+    actors = (
+        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, preload=TOKENIZER_MODULES),
+        *(ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}) for r, name in enumerate(schedulers)),
+        *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, preload=TOKENIZER_MODULES),
         *(
             ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
             for i, name in enumerate(workers)
         ),
     )
-    edges = (
-        *(Edge(name, "tokenizer") for name in workers),
-        Edge("tokenizer", "scheduler", 16 << 20),
-        *(Edge("scheduler", name, 16 << 20) for name in engines),  # a plan carries the histories of the slots it opens
-        Edge(engines[0], "scheduler"),
-        Edge("scheduler", "detokenizer"),
-        *(Edge("detokenizer", name) for name in workers),
-    )
-    return Topology(server=str(config.port), actors=actors, edges=edges)
+    return Topology(server=str(config.port), actors=actors, edges=tuple(edges))

@@ -59,16 +59,18 @@ class SchedulerActor(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.engine_config = serve.engine
         self.eos, self.max_position = model.eos_token_ids, model.max_position
-        self.engines = engine_names(serve)
+        self.replica = self.options["replica"]
+        self.engines = engine_names(serve, self.replica)
         engine = self.control.slots[self.control.index(self.engines[0])]
         while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
         self.num_pages = int(engine["gauges"][EngineGauge.POOL])
-        m, model = metrics(), serve.served_model_name
-        self.m_queue_time, self.m_batch = m.queue_time.labels(model), m.batch_size
-        self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(model), m.generation_tokens.labels(model)
-        self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(model), m.prefix_hits.labels(model)
-        self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(model) for g in (m.running, m.waiting, m.kv_usage))
+        m, labels = metrics(), (serve.served_model_name, str(self.replica))
+        self.m_queue_time, self.m_batch = m.queue_time.labels(*labels), m.batch_size.labels(labels[1])
+        self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
+        self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
+        self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
+        self.taken = int(self.slot["gauges"][SchedulerGauge.TAKEN])  # requests taken in, for the router: a restart counts on
         self.window = Window(time.monotonic())
         self.on_epoch(self.epoch)
 
@@ -110,6 +112,7 @@ class SchedulerActor(Actor):
                 self.in_flight.remove(step)
                 await self._emit(self.core.update(step, results))
             case Tokenized() as req:
+                self.taken += 1
                 try:
                     request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
                 except ValueError as exc:
@@ -221,6 +224,7 @@ class SchedulerActor(Actor):
             idle = not (w.prompt_tokens or w.generation_tokens or core.running or core.waiting)
             (log.debug if idle else log.info)(
                 "stats",
+                replica=self.replica,
                 prompt_tok_s=round(w.prompt_tokens / elapsed, 1),
                 gen_tok_s=round(w.generation_tokens / elapsed, 1),
                 running=len(core.running),
@@ -235,6 +239,7 @@ class SchedulerActor(Actor):
         gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, core.allocator.num_pages
         gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
         gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
+        gauges[SchedulerGauge.TAKEN] = self.taken
         self.m_running.set(len(core.running))
         self.m_waiting.set(len(core.waiting))
         self.m_kv_usage.set(used / core.allocator.num_pages)

@@ -230,13 +230,17 @@ class Supervisor:
     def _on_exit(self, index: int) -> None:
         proc = self._procs.pop(index)
         proc.join()
-        was_ready = self.control.slots[index]["state"] == ActorState.READY
+        slots, group = self.control.slots, self.topology.actors[index].group
+        was_ready = slots[index]["state"] in (ActorState.READY, ActorState.DOWN)  # DOWN: ready when its group went down
+        for member in [index] if group is None else self._members(group):  # before the new epoch: nothing is placed on them
+            if slots[member]["state"] == ActorState.READY:
+                slots[member]["state"] = ActorState.DOWN
         self._new_epoch(index, reason="exited", exitcode=proc.exitcode)
         proc.close()
         # a crash after a healthy start restarts at once; a crash loop at start-up backs off
         delay = 0.0 if was_ready else self._backoff.get(index, 0.25)
         self._backoff[index] = 0.25 if was_ready else min(self.config.max_backoff_s, delay * 2)
-        if (group := self.topology.actors[index].group) is None:
+        if group is None:
             self._restart_at[index] = time.monotonic() + delay
             return
         members = self._members(group)

@@ -3,6 +3,8 @@ tiktoken where the model's tokenizer allows it: runtime.text.fast_encode).
 
 Stateless: each frame is a whole request, and the result goes straight on to the scheduler. A
 replayed request is encoded again (encoding is deterministic) and keeps the tokens it already has.
+Under data parallelism it places each encoded request on a replica (actors.replicas); aborts, pings
+and flushes go to every replica.
 
 Each frame is decoded as it is received, since the next receive hands its space back to the
 writer. Long prompts go to a lane of their own (a thread with its own tokenizer, whose Rust core
@@ -26,6 +28,7 @@ import structlog
 from actors.base import Actor
 from actors.frames import Abort, Payload, Refusal, Submit, Tokenized, decode
 from actors.gauges import TokenizerGauge
+from actors.replicas import Replicas
 from api.protocol import context_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
@@ -74,6 +77,10 @@ class TokenizerActor(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
         self.slot["gauges"][TokenizerGauge.TOKEN_BYTES] = max_token_bytes(self.tokenizer)  # the api workers' length bound
+        self.replicas = Replicas(self.control, serve)
+
+    def on_epoch(self, epoch: int) -> None:
+        self.replicas.restart()
 
     async def teardown(self) -> None:
         self.lane.shutdown(wait=False, cancel_futures=True)
@@ -92,7 +99,7 @@ class TokenizerActor(Actor):
                     submissions.pop(rid, None)  # submitted and aborted in one batch: never forward it
                     if (rid, epoch) in self.in_lane:
                         self.in_lane[rid, epoch] = True
-                await self.send("scheduler", payload, rid, epoch=epoch)  # an abort, ping or flush
+                await self.send_all(self.replicas.schedulers, payload, rid, epoch=epoch)  # an abort, ping or flush
             short = []
             for sub in submissions.values():
                 if sub.req.ids is None and sub.text_chars > LONG_PROMPT_CHARS:
@@ -165,7 +172,8 @@ class TokenizerActor(Actor):
         elif message := context_overflow(limit, len(ids), params["max_tokens"]):
             await self._refuse(sub, message, param="max_tokens")
         else:  # the prompt's text stays here
-            await self.send("scheduler", Tokenized(params, req.detok, req.trace, ids, req.generated), sub.rid, epoch=sub.epoch)
+            scheduler = self.replicas.place(ids)
+            await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated), sub.rid, epoch=sub.epoch)
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:
@@ -174,4 +182,4 @@ class TokenizerActor(Actor):
         return req.prompt
 
     async def _refuse(self, sub: Submission, message: str, param: str | None = None) -> None:
-        await self.send("scheduler", Refusal(message, 400, param), sub.rid, epoch=sub.epoch)
+        await self.send(self.replicas.any_live(), Refusal(message, 400, param), sub.rid, epoch=sub.epoch)

@@ -32,6 +32,7 @@ import orjson
 
 from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 from runtime.config import ATTENTION_BACKEND_NAMES, EngineConfig
+from runtime.scheduler.router import POLICIES
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -168,6 +169,8 @@ def run_pipeline(
             str(port),
             "--api-workers",
             str(args.api_workers),
+            f"--dp={args.data_parallel_size}",
+            f"--dp-policy={args.dp_policy}",
             *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "mixed_chunk" and value is not None),
             *(["--enable-mixed-chunk"] if options["mixed_chunk"] else []),
         ]
@@ -198,8 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction)
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
+    parser.add_argument("--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1, help="replicas (pipeline only)")
+    parser.add_argument("--dp-policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.in_process and args.data_parallel_size > 1:
+        parser.error("--dp needs the pipeline: replicas are placed by its tokenizer")
 
     prompts, lengths = workload(args.requests, tuple(args.input_len), tuple(args.output_len))
     mode = "in-process" if args.in_process else "pipeline"
@@ -223,6 +230,7 @@ def main(argv: list[str] | None = None) -> None:
             "command": command,
             "date": datetime.date.today().isoformat(),
             **resolved,
+            **({"data_parallel_size": args.data_parallel_size, "dp_policy": args.dp_policy} if mode == "pipeline" else {}),
             "gpu": _device_name(args.device),
             "versions": versions(),
         }

@@ -185,7 +185,8 @@ def request_body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict:
 
 
 async def scrape(http: aiohttp.ClientSession, base_url: str) -> dict[str, float] | None:
-    """Every sample of the server's /metrics, summed over labels; None if it has none."""
+    """Every sample of the server's /metrics summed over labels, and also per data-parallel replica
+    (as NAME@REPLICA); None if it has no /metrics."""
     try:
         async with http.get(f"{base_url}/metrics") as reply:
             if reply.status != 200:
@@ -197,17 +198,23 @@ async def scrape(http: aiohttp.ClientSession, base_url: str) -> dict[str, float]
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             totals[sample.name] += sample.value
+            if "replica" in sample.labels:
+                totals[f"{sample.name}@{sample.labels['replica']}"] += sample.value
     return totals
 
 
 def server_counts(before: dict[str, float], after: dict[str, float]) -> dict:
     """What the server counted between two scrapes, under the harness's names."""
     delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
-    ttft_count = delta("vllm:time_to_first_token_seconds_count")
+    ttft_count, queries = delta("vllm:time_to_first_token_seconds_count"), delta("vllm:prefix_cache_queries_total")
+    scheduled = "vllm:request_queue_time_seconds_count@"  # one per request a replica scheduled
+    replicas = sorted(name.removeprefix(scheduled) for name in after if name.startswith(scheduled))
     return {
         "server_completed": int(delta("vllm:request_success_total")),
         "server_output_tokens": int(delta("vllm:generation_tokens_total")),
         "server_mean_ttft_ms": delta("vllm:time_to_first_token_seconds_sum") / ttft_count * 1000 if ttft_count else None,
+        "server_prefix_hit_rate": delta("vllm:prefix_cache_hits_total") / queries if queries else None,
+        "server_requests_per_replica": [int(delta(scheduled + replica)) for replica in replicas],
     }
 
 
@@ -351,6 +358,10 @@ def report(result: dict) -> str:
         ]
         if result["server_mean_ttft_ms"] is not None:
             lines.append(row("Mean TTFT (ms):", result["server_mean_ttft_ms"]))
+        if result["server_prefix_hit_rate"] is not None:
+            lines.append(row("Prefix cache hit rate:", result["server_prefix_hit_rate"]))
+        if len(result["server_requests_per_replica"]) > 1:
+            lines.append(row("Requests per replica:", " ".join(map(str, result["server_requests_per_replica"]))))
     return "\n".join([*lines, "=" * 50])
 
 

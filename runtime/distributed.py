@@ -84,8 +84,9 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + index) if base.type == "cuda" else base
 
 
-def check_parallel(cfg: ModelConfig, config: EngineConfig) -> None:
-    """Refuse, before anything loads, a split the model or the machine cannot take."""
+def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) -> None:
+    """Refuse, before anything loads, a split the model or the machine cannot take (`replicas` engines
+    of tensor_parallel_size ranks each)."""
     size = config.tensor_parallel_size
     if cfg.num_heads % size:
         raise ValueError(f"the model's {cfg.num_heads} attention heads do not split over tensor_parallel_size {size}")
@@ -95,10 +96,11 @@ def check_parallel(cfg: ModelConfig, config: EngineConfig) -> None:
         raise ValueError(f"the model's intermediate size {cfg.intermediate_size} does not split over tensor_parallel_size {size}")
     cuda = config.device.startswith("cuda")
     if cuda:
-        first = torch.device(config.device).index or 0
-        if first + size > (have := torch.cuda.device_count()):
+        first, devices = torch.device(config.device).index or 0, replicas * size
+        if first + devices > (have := torch.cuda.device_count()):
+            what = f"{replicas} replicas of {size} tensor-parallel ranks" if replicas > 1 else f"{size} tensor-parallel ranks"
             raise ValueError(
-                f"{size} tensor-parallel ranks need {size} GPUs from cuda:{first}; "
+                f"{what} need {devices} GPUs from cuda:{first}; "
                 f"{have} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"
             )
     if size > 1 and not (dist.is_available() and (dist.is_nccl_available() if cuda else dist.is_gloo_available())):

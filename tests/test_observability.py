@@ -122,6 +122,7 @@ def test_metrics_agree_with_the_load_harness(smol_server):
     result = asyncio.run(run_benchmark(args))
     assert result["completed"] == 12 and result["failed"] == 0
     assert result["server_completed"] == result["completed"]
+    assert result["server_requests_per_replica"] == [12] and 0 <= result["server_prefix_hit_rate"] < 1
     assert result["server_output_tokens"] == result["total_output_tokens"] == 12 * 8
     assert abs(result["server_mean_ttft_ms"] - result["mean_ttft_ms"]) <= 0.10 * result["mean_ttft_ms"]
 

@@ -72,23 +72,25 @@ class Metrics:
     def __init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        model = ("model_name",)
+        model, replica = ("model_name",), ("model_name", "replica")  # replica: a data-parallel replica's scheduler and engine
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time to first token.", model, buckets=TTFT_BUCKETS)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between tokens of a stream.", model, buckets=ITL_BUCKETS)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "End-to-end request latency.", model, buckets=REQUEST_LATENCY_BUCKETS)
         self.success = Counter("vllm:request_success", "Finished requests.", (*model, "finished_reason"))
         self.queue_time = Histogram(
-            "vllm:request_queue_time_seconds", "Time a request waited to be scheduled.", model, buckets=REQUEST_LATENCY_BUCKETS
+            "vllm:request_queue_time_seconds", "Time a request waited to be scheduled.", replica, buckets=REQUEST_LATENCY_BUCKETS
         )
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", model)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", model)
-        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", model)
-        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", model)
-        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", model, multiprocess_mode="mostrecent")
-        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", model, multiprocess_mode="mostrecent")
-        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", model, multiprocess_mode="mostrecent")
-        self.batch_size = Histogram("ringllm:batch_size", "Sequences per engine step.", buckets=BATCH_BUCKETS)
-        self.step_duration = Histogram("ringllm:step_duration_seconds", "Device time of one engine step.", buckets=STEP_BUCKETS)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of admitted requests.", replica)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", replica)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", replica)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", replica)
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", replica, multiprocess_mode="mostrecent")
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", replica, multiprocess_mode="mostrecent")
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", replica, multiprocess_mode="mostrecent")
+        self.batch_size = Histogram("ringllm:batch_size", "Sequences per engine step.", replica[1:], buckets=BATCH_BUCKETS)
+        self.step_duration = Histogram(
+            "ringllm:step_duration_seconds", "Device time of one engine step.", replica[1:], buckets=STEP_BUCKETS
+        )
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
         self.ring_occupancy = Gauge(
             "ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.", ("edge",), multiprocess_mode="mostrecent"

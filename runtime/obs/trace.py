@@ -10,7 +10,7 @@ from collections.abc import Iterable
 
 import orjson
 
-# stage: (start (actor kind, event), end (actor kind, event)); kind "api" matches api0, api1, ...
+# stage: (start (actor kind, event), end (actor kind, event)); kind "api" matches api0, api1, ... (and "scheduler" each replica's)
 STAGES = {
     "tokenize": (("api", "received"), ("tokenizer", "tokenized")),
     "queue": (("scheduler", "queued"), ("scheduler", "scheduled")),
@@ -41,7 +41,8 @@ def read_events(lines: Iterable[bytes], rid: str) -> list[dict]:
 
 
 def _kind(actor: str) -> str:
-    return "api" if actor.startswith("api") else actor
+    """api0 -> api, scheduler1 -> scheduler, engine1.0 -> engine."""
+    return actor.rstrip("0123456789.")
 
 
 def stages(events: list[dict]) -> dict[str, float]:
