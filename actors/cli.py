@@ -83,6 +83,7 @@ def serve(args: argparse.Namespace) -> int:
             cuda_graph_max_prefill_tokens=args.cuda_graph_max_prefill_tokens,
             steps_in_flight=args.steps_in_flight,
             tensor_parallel_size=args.tensor_parallel_size,
+            custom_all_reduce=args.custom_all_reduce,
         )
         model_dir = resolve_model_dir(args.model)
         config = ServeConfig(
@@ -207,6 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         default=engine.tensor_parallel_size,
         help="engine processes that split the model, one device each (engine0..engineN-1 in `ringllm status`)",
+    )
+    s.add_argument(
+        "--custom-all-reduce",
+        action="store_true",
+        help="CUDA, --tp > 1: all-reduces of up to 4 MiB through torch's symmetric-memory one-shot kernel instead of NCCL",
     )
     s.add_argument(
         "--dp",

@@ -58,7 +58,7 @@ class EngineActor(Actor):
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
         device = rank_device(config.device, replica * config.tensor_parallel_size + self.rank)
-        tp = TensorParallel.join(self.rank, config.tensor_parallel_size, self.ctx.rendezvous, device)
+        tp = TensorParallel.join(self.rank, config, self.ctx.rendezvous, device)
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1

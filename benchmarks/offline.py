@@ -79,6 +79,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "mem_fraction": args.mem_fraction,
         "mixed_chunk": args.enable_mixed_chunk,
         "tensor_parallel_size": args.tensor_parallel_size,
+        "custom_all_reduce": args.custom_all_reduce,
     }
 
 
@@ -171,8 +172,9 @@ def run_pipeline(
             str(args.api_workers),
             f"--dp={args.data_parallel_size}",
             f"--dp-policy={args.dp_policy}",
-            *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if key != "mixed_chunk" and value is not None),
+            *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if value is not None and not isinstance(value, bool)),
             *(["--enable-mixed-chunk"] if options["mixed_chunk"] else []),
+            *(["--custom-all-reduce"] if options["custom_all_reduce"] else []),
         ]
     )
     try:
@@ -201,6 +203,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction)
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
+    parser.add_argument("--custom-all-reduce", action="store_true")
     parser.add_argument("--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1, help="replicas (pipeline only)")
     parser.add_argument("--dp-policy", choices=POLICIES, default="cache_aware")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)

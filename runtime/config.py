@@ -113,6 +113,9 @@ class EngineConfig:
     seed: int = 0  # seeds the per-request seeds of requests that bring none
     steps_in_flight: int | None = None  # steps planned ahead of their results (1: no overlap); None: by device
     tensor_parallel_size: int = 1  # engine processes sharing each step, one device each
+    # CUDA: all-reduces up to ONE_SHOT_MAX_BYTES by torch's symmetric-memory one-shot kernel instead of NCCL
+    # (off: measured in the engine, NCCL was as fast; README, Tensor parallelism)
+    custom_all_reduce: bool = False
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""

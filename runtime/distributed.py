@@ -1,9 +1,16 @@
 """Tensor parallelism's process group: a rank's place among N, and the two collectives the sharded
-model calls (torch.distributed: NCCL on CUDA, gloo on CPU). A group of one does no communication."""
+model calls (torch.distributed: NCCL on CUDA, gloo on CPU). A group of one does no communication.
+
+With EngineConfig.custom_all_reduce on CUDA, an all-reduce of up to ONE_SHOT_MAX_BYTES (a decode
+step's) goes through torch's symmetric-memory one-shot kernel instead: each rank copies its rows
+into a buffer every peer maps, then reads and sums the peers' over NVLink in one kernel. Alone it
+takes half NCCL's time at those sizes (benchmarks/allreduce.py); inside the engine's graphs it
+did not beat NCCL, so it is opt-in."""
 
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +21,31 @@ from runtime.config import EngineConfig, ModelConfig
 
 # ranks' tensors stacked by rows into one; torch renamed it (2.13 deprecates the old name)
 _all_gather_rows = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+ONE_SHOT_MAX_BYTES = 4 << 20
+
+
+class OneShotAllReduce:
+    """A symmetric-memory buffer of `max_bytes` on every rank of the default group, and the one-shot
+    all-reduce through it, in place."""
+
+    def __init__(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
+        import torch.distributed._symmetric_memory as symm_mem
+
+        self.group = dist.group.WORLD.group_name
+        if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.11, a no-op since
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                symm_mem.enable_symm_mem_for_group(self.group)
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return x.is_contiguous() and x.numel() * x.element_size() <= self.buffer.numel()
+
+    def __call__(self, x: torch.Tensor) -> None:
+        shared = self.buffer[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        shared.copy_(x)
+        torch.ops.symm_mem.one_shot_all_reduce_out(shared, "sum", self.group, x)
 
 
 @dataclass(frozen=True)
@@ -21,11 +53,14 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     host_group: Any = None  # gloo, for Python objects, where the default group is NCCL
+    one_shot: OneShotAllReduce | None = None  # CUDA with EngineConfig.custom_all_reduce
 
     @staticmethod
-    def join(rank: int, size: int, rendezvous: str, device: torch.device) -> TensorParallel:
-        """Join the group that meets at `rendezvous`, a file every rank of it opens (torch's FileStore).
-        On CPU the ranks share the cores: each computes with its share of them."""
+    def join(rank: int, config: EngineConfig, rendezvous: str, device: torch.device) -> TensorParallel:
+        """Join the group of config.tensor_parallel_size ranks that meets at `rendezvous`, a file every
+        rank of it opens (torch's FileStore). On CPU the ranks share the cores: each computes with its
+        share of them."""
+        size = config.tensor_parallel_size
         if size == 1:
             return SINGLE
         if dist.is_initialized():  # a closed LLM's group, its other ranks gone
@@ -33,7 +68,8 @@ class TensorParallel:
         if device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device)
-            return TensorParallel(rank, size, dist.new_group(backend="gloo"))
+            one_shot = OneShotAllReduce(device) if config.custom_all_reduce else None
+            return TensorParallel(rank, size, dist.new_group(backend="gloo"), one_shot)
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
         dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
         return TensorParallel(rank, size)
@@ -53,7 +89,9 @@ class TensorParallel:
         return self.rank * total // self.size, 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        if self.size > 1:
+        if self.one_shot is not None and self.one_shot.fits(x):
+            self.one_shot(x)
+        elif self.size > 1:
             dist.all_reduce(x)
         return x
 

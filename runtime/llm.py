@@ -39,7 +39,7 @@ def _serve_rank(model_dir: Path, config: EngineConfig, rank: int, rendezvous: st
     """A rank other than 0 of an in-process LLM: every plan rank 0 broadcasts, until None."""
     on_parent_death()
     device = rank_device(config.device, rank)
-    engine = Engine(model_dir, config, TensorParallel.join(rank, config.tensor_parallel_size, rendezvous, device), device)
+    engine = Engine(model_dir, config, TensorParallel.join(rank, config, rendezvous, device), device)
     unread: deque[PendingStep] = deque()
     while (plan := engine.tp.broadcast(None)) is not None:
         unread.append(engine.launch(plan))
@@ -83,7 +83,7 @@ class LLM:
         tp, device = SINGLE, rank_device(self.config.device, 0)
         if self.config.tensor_parallel_size > 1:
             ranks = _Ranks(self.model_dir, self.config)
-            tp = TensorParallel.join(0, self.config.tensor_parallel_size, ranks.rendezvous, device)
+            tp = TensorParallel.join(0, self.config, ranks.rendezvous, device)
             self._finalizer = weakref.finalize(self, _Ranks.stop, tp, ranks.procs, ranks.folder)
         self.engine = Engine(self.model_dir, self.config, tp, device)
         cfg = self.engine.model_config

@@ -102,12 +102,14 @@ def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-@pytest.mark.parametrize("kv_heads", [2, 1])  # split, and replicated on both ranks
-def test_two_gpu_ranks_give_the_tokens_of_one_with_cuda_graphs(tmp_path, kv_heads):
-    """NCCL all-reduces inside the decode and prefill graphs, and the vocabulary split over two GPUs."""
+@pytest.mark.parametrize(("kv_heads", "custom_all_reduce"), [(2, True), (1, False)])  # KV heads split, and replicated
+def test_two_gpu_ranks_give_the_tokens_of_one_with_cuda_graphs(tmp_path, kv_heads, custom_all_reduce):
+    """All-reduces (the one-shot kernel's, or NCCL's) inside the decode and prefill graphs, and the
+    vocabulary split over two GPUs."""
     model_dir = build("qwen3", tmp_path, head_dim=128, num_key_value_heads=kv_heads)
     reference = greedy_run(model_dir, attention_backend="flashinfer")
-    assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer", tensor_parallel_size=2), "two ranks")
+    two = greedy_run(model_dir, attention_backend="flashinfer", tensor_parallel_size=2, custom_all_reduce=custom_all_reduce)
+    assert_same_greedy_tokens(reference, two, "two ranks")
 
 
 def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
