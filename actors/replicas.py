@@ -20,7 +20,7 @@ class Replicas:
     def __init__(self, control: ControlBlock, serve: ServeConfig) -> None:
         self.control = control
         self.schedulers = scheduler_names(serve)
-        self._scheduler_slots = [control.index(name) for name in self.schedulers]
+        # each replica's slots in the control block, its scheduler's first
         self._member_slots = [
             [control.index(name), *(control.index(engine) for engine in engine_names(serve, replica))]
             for replica, name in enumerate(self.schedulers)
@@ -60,4 +60,4 @@ class Replicas:
         return loads
 
     def _gauge(self, replica: int, gauge: SchedulerGauge) -> int:
-        return int(self.control.slots[self._scheduler_slots[replica]]["gauges"][gauge])
+        return int(self.control.slots[self._member_slots[replica][0]]["gauges"][gauge])

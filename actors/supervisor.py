@@ -231,8 +231,9 @@ class Supervisor:
         proc = self._procs.pop(index)
         proc.join()
         slots, group = self.control.slots, self.topology.actors[index].group
+        members = [index] if group is None else self._members(group)
         was_ready = slots[index]["state"] in (ActorState.READY, ActorState.DOWN)  # DOWN: ready when its group went down
-        for member in [index] if group is None else self._members(group):  # before the new epoch: nothing is placed on them
+        for member in members:  # before the new epoch: nothing is placed on them
             if slots[member]["state"] == ActorState.READY:
                 slots[member]["state"] = ActorState.DOWN
         self._new_epoch(index, reason="exited", exitcode=proc.exitcode)
@@ -243,7 +244,6 @@ class Supervisor:
         if group is None:
             self._restart_at[index] = time.monotonic() + delay
             return
-        members = self._members(group)
         if live := [m for m in members if m in self._procs]:
             for member in live:  # each exit comes back here; the last one restarts the group
                 self._procs[member].kill()

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import orjson
 
+from actors.pipeline import ServeConfig
 from benchmarks.server import free_port, start_server, stop_server, wait_healthy
 from runtime.config import ATTENTION_BACKEND_NAMES, EngineConfig
 from runtime.scheduler.router import POLICIES
@@ -204,8 +205,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
     parser.add_argument("--custom-all-reduce", action="store_true")
-    parser.add_argument("--dp", "--data-parallel-size", dest="data_parallel_size", type=int, default=1, help="replicas (pipeline only)")
-    parser.add_argument("--dp-policy", choices=POLICIES, default="cache_aware")
+    parser.add_argument(
+        "--dp",
+        "--data-parallel-size",
+        dest="data_parallel_size",
+        type=int,
+        default=ServeConfig.data_parallel_size,
+        help="replicas (pipeline only)",
+    )
+    parser.add_argument("--dp-policy", choices=POLICIES, default=ServeConfig.dp_policy)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     if args.in_process and args.data_parallel_size > 1:

@@ -87,9 +87,9 @@ class Metrics:
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", replica, multiprocess_mode="mostrecent")
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", replica, multiprocess_mode="mostrecent")
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", replica, multiprocess_mode="mostrecent")
-        self.batch_size = Histogram("ringllm:batch_size", "Sequences per engine step.", replica[1:], buckets=BATCH_BUCKETS)
+        self.batch_size = Histogram("ringllm:batch_size", "Sequences per engine step.", ("replica",), buckets=BATCH_BUCKETS)
         self.step_duration = Histogram(
-            "ringllm:step_duration_seconds", "Device time of one engine step.", replica[1:], buckets=STEP_BUCKETS
+            "ringllm:step_duration_seconds", "Device time of one engine step.", ("replica",), buckets=STEP_BUCKETS
         )
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
         self.ring_occupancy = Gauge(
