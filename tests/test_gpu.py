@@ -78,9 +78,9 @@ def greedy_run(model_dir, **options) -> list[tuple[list[int], list[dict[int, flo
     return [(o.token_ids, o.logprobs) for o in llm.generate(prompts, params)]
 
 
-def assert_same_greedy_tokens(reference, candidate, what: str) -> None:
+def assert_same_greedy_tokens(reference, candidate, what: str, near_tie: float = 0.05) -> None:
     """Equal tokens, except that two bf16 kernels may split a near-tie differently: a sequence may
-    diverge only where the reference's top two log-probabilities are within 0.05."""
+    diverge only where the reference's top two log-probabilities are within `near_tie`."""
     diverged = 0
     for (ref_tokens, ref_logprobs), (tokens, _) in zip(reference, candidate):
         if tokens == ref_tokens:
@@ -88,7 +88,7 @@ def assert_same_greedy_tokens(reference, candidate, what: str) -> None:
         at = next(i for i, (a, b) in enumerate(zip(ref_tokens, tokens)) if a != b)
         first, second = sorted(ref_logprobs[at].values(), reverse=True)[:2]
         print(f"{what}: diverged at token {at}, reference top-2 gap {first - second:.4f}")
-        assert first - second < 0.05, (what, at, ref_logprobs[at])
+        assert first - second < near_tie, (what, at, ref_logprobs[at])
         diverged += 1
     assert diverged <= 2, what
 
@@ -105,11 +105,13 @@ def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(
 @pytest.mark.parametrize(("kv_heads", "custom_all_reduce"), [(2, True), (1, False)])  # KV heads split, and replicated
 def test_two_gpu_ranks_give_the_tokens_of_one_with_cuda_graphs(tmp_path, kv_heads, custom_all_reduce):
     """All-reduces (the one-shot kernel's, or NCCL's) inside the decode and prefill graphs, and the
-    vocabulary split over two GPUs."""
+    vocabulary split over two GPUs. Each rank rounds its half of o_proj's and down_proj's sums to bf16
+    before the all-reduce adds them, a rounding per projection that one GPU does not make: near-ties
+    up to 0.15 apart may split differently (a wrong shard or a missing sum diverges at once)."""
     model_dir = build("qwen3", tmp_path, head_dim=128, num_key_value_heads=kv_heads)
     reference = greedy_run(model_dir, attention_backend="flashinfer")
     two = greedy_run(model_dir, attention_backend="flashinfer", tensor_parallel_size=2, custom_all_reduce=custom_all_reduce)
-    assert_same_greedy_tokens(reference, two, "two ranks")
+    assert_same_greedy_tokens(reference, two, "two ranks", near_tie=0.15)
 
 
 def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):

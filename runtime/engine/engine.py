@@ -139,8 +139,7 @@ class Engine:
         if graphs and config.cuda_graph_max_bs:
             max_bs = min(config.cuda_graph_max_bs, slots)
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
-            if tp.size == 1:  # the fused kernels add the residual before the all-reduce could
-                one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype)
+            one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype, allow_summed=tp.size == 1)
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
         if graphs and config.cuda_graph_max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(

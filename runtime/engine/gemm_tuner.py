@@ -149,9 +149,10 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
 
 
 @torch.inference_mode()
-def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype) -> dict[str, str]:
+def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype, allow_summed: bool = True) -> dict[str, str]:
     """Fuse each of a decoder layer's norm→qkv, norm→gate_up and SiLU→down pairs at one row where a
-    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then
+    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then,
+    if `allow_summed` (not under tensor parallelism, whose all-reduce must come before the residual add),
     the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
     epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
@@ -212,21 +213,22 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     try:
         times = {
             name: cuda_graph.time_captured({way: run for way, (run, _) in candidates.items()})
-            for name, candidates in {**pairs, "o_proj": o_adds}.items()
+            for name, candidates in ({**pairs, "o_proj": o_adds} if allow_summed else pairs).items()
         }
     except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
         log.warning("one_row_fusion_unusable", error=str(exc)[:200])
         return {}
     chosen = {name: _winner(times[name], "pair") for name in pairs}
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
-    best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
-    summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
-    layer_times = cuda_graph.time_captured(
-        {way: lambda f=f: _layer_projections(layers, f, h, attended) for way, f in (("as chosen", fusion), ("fused stream", summed))}
-    )
-    log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
-    if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
-        fusion, chosen = summed, {**best, "stream": "summed"}
+    if allow_summed:
+        best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
+        summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
+        layer_times = cuda_graph.time_captured(
+            {way: lambda f=f: _layer_projections(layers, f, h, attended) for way, f in (("as chosen", fusion), ("fused stream", summed))}
+        )
+        log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
+        if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
+            fusion, chosen = summed, {**best, "stream": "summed"}
     for layer in layers:
         layer.one_row = fusion
     return {name: way for name, way in chosen.items() if way != "pair"}

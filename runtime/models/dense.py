@@ -140,7 +140,7 @@ class DecoderLayer(nn.Module):
         self, h: torch.Tensor, residual: torch.Tensor | None, attend: Callable[[torch.Tensor], torch.Tensor], fused: OneRowFusion
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """forward, with attention as `attend` (qkv -> attended rows): how start-up times a fusion.
-        One-row fusions add the residual inside o_proj and down_proj: one rank only (Engine)."""
+        The summed stream adds the residual inside o_proj and down_proj: one rank only (Engine)."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = (fused.qkv or norm_then_linear)(h, residual, self.input_layernorm, attn.qkv_proj)
         attended = attend(qkv)
@@ -151,7 +151,7 @@ class DecoderLayer(nn.Module):
         h = self.tp.all_reduce(attn.o_proj(attended))
         gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
         if fused.down is not None:
-            return fused.down(gate_up, mlp.down_proj, None), residual
+            return self.tp.all_reduce(fused.down(gate_up, mlp.down_proj, None)), residual
         return self.tp.all_reduce(mlp.down_proj(mlp.ops.silu_and_mul(gate_up))), residual
 
 
