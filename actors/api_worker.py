@@ -30,6 +30,7 @@ from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.protocol import ApiError, Limits
 from runtime.config import ModelConfig
+from runtime.obs import expert_load
 from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
@@ -51,7 +52,7 @@ class ApiWorker(Actor):
         self.worker = self.options["worker"]
         self.served_model = serve.served_model_name
         model = ModelConfig.load(Path(serve.model_dir))
-        self.max_model_len, self.vocab_size = model.max_position, model.vocab_size
+        self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self._tokenizer_slot = self.control.index("tokenizer")
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
         self.request_timeout = serve.request_timeout
@@ -196,15 +197,19 @@ class ApiWorker(Actor):
         return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:
-        """The schedulers' gauges: each replica's, and their sums under "scheduler"."""
+        """The schedulers' gauges: each replica's, and their sums under "scheduler"; for a
+        mixture-of-experts model, each replica's latest interval of routing counts under "moe"."""
         replicas = []
         for name in self.schedulers:
             gauges = self.control.slots[self.control.index(name)]["gauges"]
             replicas.append({g.name.lower(): int(gauges[g]) for g in SchedulerGauge})
-        return {
+        info = {
             "model": self.served_model,
             "max_model_len": self.max_model_len,
             "epoch": self.epoch,
             "scheduler": {key: sum(replica[key] for replica in replicas) for key in replicas[0]},
             "replicas": replicas,
         }
+        if self.moe:
+            info["moe"] = expert_load.read(len(self.schedulers))
+        return info

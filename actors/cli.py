@@ -24,6 +24,8 @@ HELP = {  # the serve flags whose help is too long to sit beside them
     "watchdog-timeout": "seconds an engine step may make no progress before the engine is restarted: the watchdog can only "
     "restart it sooner than --hang-timeout, never later",
     "shutdown-timeout": "on SIGTERM, seconds in-flight requests may take",
+    "stats-interval": "seconds between each scheduler's stats line and, for a mixture-of-experts model, each engine's "
+    "expert-load report (/server_info, ringllm:moe_expert_load_imbalance) (default: %(default)s)",
     "log-format": "json: one object per line (what `ringllm trace` reads); console: aligned text",
 }
 
@@ -97,6 +99,7 @@ def serve(args: argparse.Namespace) -> int:
             request_timeout=args.request_timeout,
             body_timeout=args.body_timeout,
             watchdog_timeout=args.watchdog_timeout,
+            stats_interval=args.stats_interval,
             data_parallel_size=args.data_parallel_size,
             dp_policy=args.dp_policy,
         )
@@ -237,6 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--body-timeout", type=float, default=ServeConfig.body_timeout, help=HELP["body-timeout"])
     s.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s, help=HELP["hang-timeout"])
     s.add_argument("--watchdog-timeout", type=float, default=ServeConfig.watchdog_timeout, help=HELP["watchdog-timeout"])
+    s.add_argument("--stats-interval", type=float, default=ServeConfig.stats_interval, help=HELP["stats-interval"])
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])
 

@@ -34,6 +34,7 @@ from actors.gauges import EngineGauge
 from actors.pipeline import scheduler_names
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
+from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 
 log = structlog.get_logger()
@@ -67,6 +68,7 @@ class EngineActor(Actor):
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration.labels(str(replica))
+        self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
 
     def on_epoch(self, epoch: int) -> None:
@@ -121,3 +123,13 @@ class EngineActor(Actor):
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
             if self.rank == 0:
                 await self.send(self.scheduler, StepResults(done.step, results), done.step)
+                if now - self.load_since >= self.stats_interval:
+                    self._publish_expert_load(now)
+
+    def _publish_expert_load(self, now: float) -> None:
+        """The routing counts since the last call, for /server_info and /metrics (MoE models only)."""
+        load = self.engine.model.take_expert_load()
+        if load is not None:
+            layers, tokens = load
+            expert_load.publish(self.replica, layers, tokens.cpu().numpy(), now - self.load_since)
+        self.load_since = now

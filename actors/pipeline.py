@@ -28,6 +28,7 @@ class ServeConfig:
     request_timeout: float | None = None  # seconds a request may take, queueing included
     body_timeout: float = 30.0  # seconds a client may take to send a request's body; then a 408, and the connection closes
     watchdog_timeout: float = 60.0  # an engine step with no progress for this long is a crash
+    stats_interval: float = 10.0  # seconds between a scheduler's stats lines, and an MoE engine's expert-load reports
     data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
     dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
     engine: EngineConfig = field(default_factory=EngineConfig)

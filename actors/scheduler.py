@@ -3,7 +3,7 @@
 It plans ahead of the results, EngineConfig.steps_in_flight steps (the engine feeds decodes their own
 last sampled token), then turns each step's results into one TOKENS frame for the detokenizer. It logs each
 request's queued, scheduled, prefill_done and finished events, keeps the batch's metrics, and
-every STATS_INTERVAL_S logs one stats line (at debug level while idle).
+every ServeConfig.stats_interval logs one stats line (at debug level while idle).
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from runtime.step import StepPlan
 from transport.ring import Frame
 
 log = structlog.get_logger()
-STATS_INTERVAL_S = 10.0
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
@@ -57,7 +56,7 @@ class SchedulerActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         model = ModelConfig.load(Path(serve.model_dir))
-        self.engine_config = serve.engine
+        self.engine_config, self.stats_interval = serve.engine, serve.stats_interval
         self.eos, self.max_position = model.eos_token_ids, model.max_position
         self.replica = self.options["replica"]
         self.engines = engine_names(serve, self.replica)
@@ -217,7 +216,7 @@ class SchedulerActor(Actor):
     async def _report_stats(self) -> None:
         """vLLM's periodic line: throughput, batch, KV use and prefix hits since the last one."""
         while True:
-            await asyncio.sleep(STATS_INTERVAL_S)
+            await asyncio.sleep(self.stats_interval)
             now, w, core = time.monotonic(), self.window, self.core
             self.window = Window(now)
             elapsed = now - w.started

@@ -19,6 +19,23 @@ class RopeConfig:
 
 
 @dataclass(frozen=True)
+class MoeConfig:
+    """Qwen3-MoE's sparse blocks: top_k of num_experts SiLU-gated MLPs per token, weighted by the
+    router's softmax (renormalised over the chosen when norm_topk_prob)."""
+
+    num_experts: int
+    top_k: int
+    intermediate_size: int
+    norm_topk_prob: bool
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+
+    def is_sparse(self, layer: int) -> bool:
+        """Hugging Face's rule: every decoder_sparse_step-th layer, except the MLP-only ones."""
+        return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -36,6 +53,7 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     rope: RopeConfig
     eos_token_ids: tuple[int, ...]
+    moe: MoeConfig | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -53,6 +71,17 @@ class ModelConfig:
             raise ValueError(f"rope type {rope.kind!r} is not supported")
         eos = raw.get("eos_token_id")
         heads = raw["num_attention_heads"]
+        experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
+        moe = None
+        if arch == "Qwen3MoeForCausalLM" and experts:
+            moe = MoeConfig(
+                num_experts=experts,
+                top_k=raw["num_experts_per_tok"],
+                intermediate_size=raw["moe_intermediate_size"],
+                norm_topk_prob=raw.get("norm_topk_prob", False),
+                decoder_sparse_step=raw.get("decoder_sparse_step", 1),
+                mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
+            )
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -67,9 +96,10 @@ class ModelConfig:
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             output_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            moe=moe,
         )
 
     @classmethod

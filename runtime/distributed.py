@@ -132,6 +132,8 @@ def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) ->
         raise ValueError(f"the model's {cfg.num_kv_heads} KV heads neither split over nor replicate across {size} ranks")
     if cfg.intermediate_size % size:
         raise ValueError(f"the model's intermediate size {cfg.intermediate_size} does not split over tensor_parallel_size {size}")
+    if cfg.moe is not None and cfg.moe.intermediate_size % size:
+        raise ValueError(f"the experts' intermediate size {cfg.moe.intermediate_size} does not split over tensor_parallel_size {size}")
     cuda = config.device.startswith("cuda")
     if cuda:
         first, devices = torch.device(config.device).index or 0, replicas * size

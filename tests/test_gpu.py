@@ -114,6 +114,38 @@ def test_two_gpu_ranks_give_the_tokens_of_one_with_cuda_graphs(tmp_path, kv_head
     assert_same_greedy_tokens(reference, two, "two ranks", near_tie=0.15)
 
 
+@pytest.mark.parametrize("tokens", [1, 5, 300])
+def test_fused_experts_match_the_grouped_experts(tokens):
+    """The Triton expert GEMMs over sgl-kernel's alignment against the per-expert torch path: one
+    token (decode), a few, and more pairs than any block size."""
+    pytest.importorskip("sgl_kernel")
+    from runtime.kernels.triton.fused_moe import fused_experts
+    from runtime.models.layers import torch_silu_and_mul
+    from runtime.models.moe import Experts, route
+
+    generator = torch.Generator(device="cuda").manual_seed(tokens)
+    experts = Experts(64, 256, 96).to("cuda", torch.bfloat16)  # 96: not a whole number of tiles
+    with torch.no_grad():
+        experts.gate_up_proj.normal_(0.0, 0.05, generator=generator)
+        experts.down_proj.normal_(0.0, 0.05, generator=generator)
+        x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16, generator=generator)
+        weights, ids = route(torch.randn(tokens, 64, device="cuda", generator=generator), 8, True)
+        reference, counts = experts.grouped(x, weights, ids, torch_silu_and_mul)
+        fused = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.int(), torch_silu_and_mul)
+    error = (fused.float() - reference.float()).norm() / reference.float().norm()
+    print(f"fused experts, {tokens} tokens: relative error {error:.2e}")
+    assert error < 2e-2 and int(counts.sum()) == tokens * 8
+
+
+def test_moe_decode_and_prefill_graphs_give_the_tokens_of_eager_steps(tmp_path):
+    """Qwen3-MoE's fused experts captured in the decode and prefill graphs, against eager steps."""
+    pytest.importorskip("sgl_kernel")
+    model_dir = build("qwen3_moe", tmp_path, head_dim=128)
+    reference = greedy_run(model_dir, attention_backend="torch")
+    graphs = greedy_run(model_dir, attention_backend="flashinfer")
+    assert_same_greedy_tokens(reference, graphs, "moe graphs")
+
+
 def test_prefill_graphs_give_the_tokens_of_eager_prefill(tmp_path):
     """Fresh prompts, chunks over a cached prefix, several sequences in a step and smaller steps after
     larger ones (whose rows linger in the static buffers): replayed as prefill graphs, they must give

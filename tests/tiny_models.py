@@ -24,7 +24,7 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     llama3_rope = {
         "rope_type": "llama3",
@@ -38,10 +38,30 @@ def _configs():
         "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
         "qwen3": (Qwen3Config, dict(head_dim=32)),
         "mistral": (MistralConfig, dict(sliding_window=None)),
+        # 8 experts, top 2 renormalised, every layer sparse
+        "qwen3_moe": (
+            Qwen3MoeConfig,
+            dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
+        ),
+        # 6 experts, top 3 as the softmax gives them; layers 1 sparse, 0 and 2 dense by the step, 3 dense by name
+        "qwen3_moe_mixed": (
+            Qwen3MoeConfig,
+            dict(
+                head_dim=32,
+                num_experts=6,
+                num_experts_per_tok=3,
+                moe_intermediate_size=48,
+                norm_topk_prob=False,
+                decoder_sparse_step=2,
+                mlp_only_layers=[3],
+                num_hidden_layers=4,
+            ),
+        ),
     }
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed")
 
 
 def build(name: str, folder: Path, **overrides) -> Path:

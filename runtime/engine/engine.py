@@ -182,6 +182,7 @@ class Engine:
         batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions), self._to_device(rows), meta)
         self.attention.prepare(meta)
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
+        self.model.take_expert_load()  # routing counts start with the first request
         if self.device.type == "cuda":  # a kernel's fault surfaces here, and the draws' pinned buffers are done with
             torch.cuda.synchronize(self.device)
 

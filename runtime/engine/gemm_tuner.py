@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine import cuda_graph
-from runtime.models.dense import DecoderLayer, OneRowFusion
+from runtime.models.decoder import MLP, DecoderLayer, OneRowFusion
 from runtime.models.layers import linear_slots
 
 log = structlog.get_logger()
@@ -156,7 +156,7 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
     epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
-    if gemv_kernel is None or not layers:
+    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) for layer in layers):  # dense MLPs only
         return {}
     first = layers[0]
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]

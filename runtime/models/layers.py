@@ -60,6 +60,9 @@ class FusedOps:
     rope_kv_write: Callable[..., None] | None = None
     rope_cache_fp32: bool = False
     rope_tables: Callable[[Tensor, Tensor], Any] = _whole_cache
+    # a sparse block from its router logits, on CUDA: (x, logits, gate_up, down, top_k, renormalise, silu_and_mul)
+    # -> (output, experts chosen) (runtime.kernels.triton.fused_moe)
+    fused_moe: Callable[..., tuple[Tensor, Tensor]] | None = None
 
 
 def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
@@ -87,6 +90,14 @@ def _triton_rope_kv_write() -> Callable[..., None] | None:
     return rope_kv_write
 
 
+def _triton_fused_moe() -> Callable[..., tuple[Tensor, Tensor]] | None:
+    try:
+        from runtime.kernels.triton.fused_moe import moe_forward
+    except ImportError:
+        return None
+    return moe_forward
+
+
 def _sgl_kernel() -> FusedOps:
     import sgl_kernel
 
@@ -102,6 +113,7 @@ def _sgl_kernel() -> FusedOps:
         rope,
         fused,
         rope_cache_fp32=fused is not None,
+        fused_moe=_triton_fused_moe(),
     )
 
 
@@ -172,6 +184,14 @@ class RMSNorm(nn.Module):
         if residual is None:
             return self.ops.rms_norm(x, self.weight, self.eps)
         return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+    """linear(norm(h + residual)) and the new residual (h where there is none yet)."""
+    if residual is None:
+        return linear(norm(h)), h
+    h, residual = norm(h, residual)
+    return linear(h), residual
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,13 +15,15 @@ from torch import nn
 from runtime.config import ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.models.cpu_linears import prepack_linears
-from runtime.models.dense import STACKED
+from runtime.models.decoder import STACKED
 from runtime.models.layers import select_fused_ops
+from runtime.models.moe import EXPERT_PARTS, Experts
 from runtime.models.registry import MODELS
 from runtime.models.sharding import read_shard
 
 log = structlog.get_logger()
 IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
+EXPERT_WEIGHT = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(EXPERT_PARTS)})\.weight$")
 
 
 def build_model(
@@ -41,6 +44,8 @@ def build_model(
         model = MODELS[cfg.architecture](cfg, ops, tp)
     model.fused_ops = ops_name
     model.to_empty(device=device)
+    for buffer in model.buffers():  # counters; to_empty left them unset
+        buffer.zero_()
     model.to(dtype)
     model.requires_grad_(False)
     model.tie_weights()
@@ -64,11 +69,14 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
         for kind in ("weight", "bias")
         if f"{prefix}.{kind}" in params
     }
+    experts = {prefix: module for prefix, module in model.named_modules() if isinstance(module, Experts)}
 
     def destination(name: str) -> tuple[str, torch.Tensor] | None:
         """Where a checkpoint tensor goes: its parameter, or its rows of a stacked one."""
         if name in params:
             return name, params[name]
+        if (expert := EXPERT_WEIGHT.match(name)) and expert[1] in experts:
+            return name, experts[expert[1]].slot(int(expert[2]), expert[3])
         for part, (stacked, index) in STACKED.items():
             target = name.replace(f".{part}.", f".{stacked}.")
             if target != name and target in shards:
@@ -77,7 +85,10 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
         return None
 
     missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
-    missing |= set(params) - set(shards)
+    stacked_experts = {f"{prefix}.{kind}" for prefix in experts for kind in ("gate_up_proj", "down_proj")}
+    missing |= set(params) - set(shards) - stacked_experts
+    for prefix, module in experts.items():
+        missing |= {f"{prefix}.{e}.{part}.weight" for e in range(module.num_experts) for part in EXPERT_PARTS}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from runtime.models.dense import DenseForCausalLM
+from runtime.models.decoder import DecoderForCausalLM
 
 MODELS: dict[str, type] = {
-    "LlamaForCausalLM": DenseForCausalLM,
-    "MistralForCausalLM": DenseForCausalLM,
-    "Qwen2ForCausalLM": DenseForCausalLM,
-    "Qwen3ForCausalLM": DenseForCausalLM,
+    "LlamaForCausalLM": DecoderForCausalLM,
+    "MistralForCausalLM": DecoderForCausalLM,
+    "Qwen2ForCausalLM": DecoderForCausalLM,
+    "Qwen3ForCausalLM": DecoderForCausalLM,
+    "Qwen3MoeForCausalLM": DecoderForCausalLM,
 }

@@ -1,6 +1,7 @@
 """Megatron-style tensor parallelism for the dense family: which slice of each checkpoint tensor a
 rank holds. q/k/v and gate/up split by output rows (column-parallel), o_proj and down_proj by input
-columns (row-parallel, an all-reduce after each), the embedding and LM head by vocabulary rows.
+columns (row-parallel, an all-reduce after each), the embedding and LM head by vocabulary rows;
+each expert like a dense MLP, its router whole.
 KV heads fewer than the ranks are replicated: rank r holds head r·kv_heads // ranks."""
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ def read_shard(name: str, source: Any, cfg: ModelConfig, tp: TensorParallel) -> 
     if part in ("k_proj", "v_proj"):
         start, count = tp.split(cfg.num_kv_heads)
         return _rows(source, start * dim, count * dim)
-    if part in ("gate_proj", "up_proj", "down_proj"):
-        start, count = tp.split(cfg.intermediate_size)
+    if part in ("gate_proj", "up_proj", "down_proj"):  # a dense MLP's, or one expert's
+        start, count = tp.split(cfg.moe.intermediate_size if cfg.moe is not None and ".experts." in name else cfg.intermediate_size)
         return _rows(source, start, count) if part != "down_proj" else _columns(source, start, count)
     if part in ("embed_tokens", "lm_head"):
         start, rows = vocab_shard(cfg.vocab_size, tp)

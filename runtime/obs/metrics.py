@@ -91,6 +91,12 @@ class Metrics:
         self.step_duration = Histogram(
             "ringllm:step_duration_seconds", "Device time of one engine step.", ("replica",), buckets=STEP_BUCKETS
         )
+        self.moe_imbalance = Gauge(
+            "ringllm:moe_expert_load_imbalance",
+            "A sparse layer's busiest expert's tokens over the mean expert's, last interval.",
+            ("replica", "layer"),
+            multiprocess_mode="mostrecent",
+        )
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
         self.ring_occupancy = Gauge(
             "ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.", ("edge",), multiprocess_mode="mostrecent"

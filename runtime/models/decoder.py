@@ -1,4 +1,5 @@
-"""The dense decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm).
+"""The decoder family: Llama (Llama-3, SmolLM2), Mistral, Qwen2 (qkv bias), Qwen3 (q/k norm), and
+Qwen3-MoE (Qwen3 whose sparse layers' MLP is runtime.models.moe.SparseMoe).
 q, k and v share one projection, gate and up another (`STACKED` maps the checkpoint's matrices).
 Under tensor parallelism each rank builds its shard (runtime.models.sharding) and sums the
 row-parallel projections' partial outputs with one all-reduce each."""
@@ -18,7 +19,8 @@ from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.engine.batch import ForwardBatch
 from runtime.kernels.rope import Rope
-from runtime.models.layers import FusedOps, RMSNorm, rope_cos_sin_cache
+from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear, rope_cos_sin_cache
+from runtime.models.moe import SparseMoe
 from runtime.models.sharding import vocab_shard
 
 # checkpoint name part -> (our parameter name part, shard index)
@@ -67,6 +69,23 @@ class Attention(nn.Module):
         return backend.forward(self.layer, qk[:, : self.heads], batch).reshape(tokens, self.q_size)
 
 
+NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], tuple[torch.Tensor, torch.Tensor]]
+
+
+@dataclass(frozen=True)
+class OneRowFusion:
+    """One-row kernels fusing a norm or SiLU-and-mul into the projection after it (gemm_tuner sets the winners).
+    With `o_proj` set, o_proj and down_proj add the residual themselves and the layer hands on the sum."""
+
+    qkv: NormLinear | None = None
+    gate_up: NormLinear | None = None
+    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None
+    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+
+NO_FUSION = OneRowFusion()
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
@@ -75,6 +94,15 @@ class MLP(nn.Module):
         self.gate_up_proj.shard_sizes = (intermediate, intermediate)
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.ops = ops
+
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: OneRowFusion
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's partial output for norm(h + residual), the new residual)."""
+        gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, norm, self.gate_up_proj)
+        if fused.down is not None:
+            return fused.down(gate_up, self.down_proj, None), residual
+        return self.down_proj(self.ops.silu_and_mul(gate_up)), residual
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -94,36 +122,11 @@ class VocabParallelEmbedding(nn.Embedding):
         return self.tp.all_reduce(found)
 
 
-NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class OneRowFusion:
-    """One-row kernels fusing a norm or SiLU-and-mul into the projection after it (gemm_tuner sets the winners).
-    With `o_proj` set, o_proj and down_proj add the residual themselves and the layer hands on the sum."""
-
-    qkv: NormLinear | None = None
-    gate_up: NormLinear | None = None
-    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None
-    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
-
-
-NO_FUSION = OneRowFusion()
-
-
-def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, linear: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear(norm(h + residual)) and the new residual (h where there is none yet)."""
-    if residual is None:
-        return linear(norm(h)), h
-    h, residual = norm(h, residual)
-    return linear(h), residual
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, ops, tp)
-        self.mlp = MLP(cfg, ops, tp)
+        self.mlp = SparseMoe(cfg, ops, tp) if cfg.moe is not None and cfg.moe.is_sparse(layer) else MLP(cfg, ops, tp)
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -149,13 +152,11 @@ class DecoderLayer(nn.Module):
             gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)
             return fused.down(gate_up, mlp.down_proj, h), None
         h = self.tp.all_reduce(attn.o_proj(attended))
-        gate_up, residual = (fused.gate_up or norm_then_linear)(h, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        if fused.down is not None:
-            return self.tp.all_reduce(fused.down(gate_up, mlp.down_proj, None)), residual
-        return self.tp.all_reduce(mlp.down_proj(mlp.ops.silu_and_mul(gate_up))), residual
+        out, residual = mlp.forward_normed(h, residual, self.post_attention_layernorm, fused)
+        return self.tp.all_reduce(out), residual
 
 
-class DenseModel(nn.Module):
+class DecoderModel(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg, tp)
@@ -163,11 +164,11 @@ class DenseModel(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
-class DenseForCausalLM(nn.Module):
+class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = DenseModel(cfg, ops, tp)
+        self.model = DecoderModel(cfg, ops, tp)
         self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.rope_cache_fp32, self.rope_tables = ops.rope_cache_fp32, ops.rope_tables
 
@@ -186,6 +187,13 @@ class DenseForCausalLM(nn.Module):
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
         return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
+
+    def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:
+        """(the sparse layers, tokens per expert [layers, experts]) since the last call; None when dense."""
+        sparse = [(index, layer.mlp) for index, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoe)]
+        if not sparse:
+            return None
+        return [index for index, _ in sparse], torch.stack([mlp.take_load() for _, mlp in sparse])
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler widens only what it must. Every rank gets all of them."""

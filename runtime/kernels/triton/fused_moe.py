@@ -1,0 +1,214 @@
+"""A mixture-of-experts layer's expert GEMMs on CUDA, in the design SGLang and vLLM share: the (token,
+expert) pairs are sorted by expert and padded to whole blocks of BLOCK_M rows (sgl-kernel's
+moe_align_block_size); one Triton program multiplies one block's rows, gathered from the input, by a
+BLOCK_N-column tile of that block's expert's weight, scales them by the pairs' routing weights where
+asked, and scatters them to the pairs' rows of the output. Blocks past the padded total return at
+once, so the grid is fixed and CUDA graphs replay it at any batch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+
+import orjson
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class Tiles:
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+TUNED = Path(__file__).with_name("moe_tiles")  # benchmarks/moe_tune.py writes one table per shape and device
+
+
+def default_tiles(pairs: int) -> Tiles:
+    """Untuned tiles by the number of (token, expert) pairs: narrow blocks for decode."""
+    if pairs <= 64:
+        return Tiles(16, 64, 128, num_warps=4, num_stages=4)
+    if pairs <= 1024:
+        return Tiles(32, 64, 64, num_warps=4, num_stages=4)
+    return Tiles(64, 128, 64, num_warps=8, num_stages=3)
+
+
+def table_name(experts: int, intermediate: int, top_k: int, device: str) -> str:
+    return f"E={experts},I={intermediate},K={top_k},device={device.replace(' ', '_')}.json"
+
+
+@cache
+def tuned_table(name: str) -> dict[int, Tiles]:
+    """{tokens: tiles} from a tuned table, empty where none was tuned for this shape and device."""
+    path = TUNED / name
+    if not path.exists():
+        return {}
+    return {int(tokens): Tiles(**tiles) for tokens, tiles in orjson.loads(path.read_bytes()).items()}
+
+
+def tiles_for(tokens: int, experts: int, intermediate: int, top_k: int, device: torch.device) -> Tiles:
+    """The tuned tiles of the smallest tuned token count at or above `tokens` (the largest past them),
+    else default_tiles."""
+    table = tuned_table(table_name(experts, intermediate, top_k, torch.cuda.get_device_name(device)))
+    if not table:
+        return default_tiles(tokens * top_k)
+    above = [count for count in table if count >= tokens]
+    return table[min(above) if above else max(table)]
+
+
+@triton.jit
+def _expert_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    c_ptr,
+    weights_ptr,
+    sorted_pairs_ptr,
+    block_experts_ptr,
+    padded_ptr,
+    N,
+    K,
+    pairs,
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    TOP_K: tl.constexpr,
+    ROWS_ARE_PAIRS: tl.constexpr,
+    MUL_WEIGHTS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    block, tile = tl.program_id(1), tl.program_id(0)
+    if block * BLOCK_M >= tl.load(padded_ptr):
+        return
+    pair = tl.load(sorted_pairs_ptr + block * BLOCK_M + tl.arange(0, BLOCK_M))
+    live = pair < pairs
+    row = pair if ROWS_ARE_PAIRS else pair // TOP_K
+    expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    a = a_ptr + row.to(tl.int64)[:, None] * stride_am + k[None, :]
+    w = w_ptr + expert * stride_we + n.to(tl.int64)[None, :] * stride_wn + k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for start in range(0, K, BLOCK_K):
+        in_k = k < K - start
+        a_tile = tl.load(a, mask=live[:, None] & in_k[None, :], other=0.0)
+        w_tile = tl.load(w, mask=in_k[:, None] & (n[None, :] < N), other=0.0)
+        acc = tl.dot(a_tile, w_tile, acc)
+        a += BLOCK_K
+        w += BLOCK_K
+    if MUL_WEIGHTS:
+        acc *= tl.load(weights_ptr + pair, mask=live, other=0.0).to(tl.float32)[:, None]
+    c = c_ptr + pair.to(tl.int64)[:, None] * stride_cm + n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=live[:, None] & (n[None, :] < N))
+
+
+def expert_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    sorted_pairs: torch.Tensor,
+    block_experts: torch.Tensor,
+    padded: torch.Tensor,
+    top_k: int,
+    tiles: Tiles,
+    routing_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """out[pair] = a[row of pair] @ weight[expert of pair].T (· the pair's routing weight), for every
+    pair of the sorted blocks. a's rows are tokens (out has top_k rows each) or, where it has as many
+    rows as out, the pairs themselves."""
+    pairs, n = out.shape
+    k = weight.shape[2]
+    assert a.stride(1) == 1 and weight.stride(2) == 1 and out.stride(1) == 1 and a.shape[1] == k
+    grid = (triton.cdiv(n, tiles.block_n), block_experts.numel())
+    _expert_gemm_kernel[grid](
+        a,
+        weight,
+        out,
+        routing_weights if routing_weights is not None else out,
+        sorted_pairs,
+        block_experts,
+        padded,
+        n,
+        k,
+        pairs,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        TOP_K=top_k,
+        ROWS_ARE_PAIRS=a.shape[0] == pairs,
+        MUL_WEIGHTS=routing_weights is not None,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
+Align = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def sgl_align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(pair indices sorted by expert, padded per expert to whole blocks with out-of-range pairs; each
+    block's expert; the padded total), by sgl-kernel's one-kernel alignment."""
+    import sgl_kernel
+
+    most = ids.numel() + (experts + 1) * (block_m - 1)
+    sorted_pairs = torch.empty(most, dtype=torch.int32, device=ids.device)
+    block_experts = torch.empty(triton.cdiv(most, block_m), dtype=torch.int32, device=ids.device)
+    padded = torch.empty(1, dtype=torch.int32, device=ids.device)
+    cumsum = torch.empty(experts + 1, dtype=torch.int32, device=ids.device)
+    sgl_kernel.moe_align_block_size(ids, experts, block_m, sorted_pairs, block_experts, padded, cumsum, True)
+    return sorted_pairs, block_experts, padded
+
+
+def fused_experts(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    routing_weights: torch.Tensor,
+    ids: torch.Tensor,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+    tiles: Tiles | None = None,
+    align: Align = sgl_align,
+) -> torch.Tensor:
+    """Σ over each token's top_k experts of weight · down[e] @ silu_and_mul(gate_up[e] @ x): [T, H].
+    gate_up [E, 2·I, H] (gate rows first), down [E, H, I], routing_weights and ids [T, top_k]."""
+    tokens, top_k = ids.shape
+    tiles = tiles or tiles_for(tokens, gate_up.shape[0], down.shape[2], top_k, x.device)
+    sorted_pairs, block_experts, padded = align(ids, gate_up.shape[0], tiles.block_m)
+    pairs = tokens * top_k
+    hidden = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
+    expert_gemm(x, gate_up, hidden, sorted_pairs, block_experts, padded, top_k, tiles)
+    out = torch.empty(pairs, down.shape[1], dtype=x.dtype, device=x.device)
+    expert_gemm(silu_and_mul(hidden), down, out, sorted_pairs, block_experts, padded, top_k, tiles, routing_weights)
+    return out.view(tokens, top_k, -1).sum(dim=1)
+
+
+def moe_forward(
+    x: torch.Tensor,
+    logits: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    top_k: int,
+    renormalise: bool,
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sparse block from the router's logits: (output [T, H], the experts chosen [T, top_k]);
+    sgl-kernel's fused softmax-top-k, then fused_experts."""
+    import sgl_kernel
+
+    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
+    ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
+    sgl_kernel.topk_softmax(weights, ids, logits.float(), renormalise)
+    return fused_experts(x, gate_up, down, weights, ids, silu_and_mul), ids

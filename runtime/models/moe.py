@@ -1,0 +1,111 @@
+"""Qwen3-MoE's sparse block: a router picks top_k of num_experts SiLU-gated MLPs for each token and
+weighs their outputs by its softmax. The experts' weights are stacked, [experts, rows, cols]. Tokens
+are grouped by expert and each active expert runs one GEMM pair over its tokens; on CUDA, the fused
+kernels of runtime.kernels.triton.fused_moe do it without a host sync. Under tensor
+parallelism each rank holds every expert's slice of the intermediate dimension and the whole router;
+the decoder layer's all-reduce sums the ranks' partial outputs."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from runtime.config import ModelConfig
+from runtime.distributed import TensorParallel
+from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear
+
+EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's experts.{e}.{part}.weight
+
+
+def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, top_k] in the logits' dtype, expert ids [T, top_k]): Hugging Face's softmax in
+    fp32, then top-k, renormalised over the chosen when asked."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalise:
+        weights /= weights.sum(dim=-1, keepdim=True)
+    return weights.to(logits.dtype), ids
+
+
+class Experts(nn.Module):
+    """num_experts SiLU-gated MLPs: gate_up_proj [E, 2·I, H] (gate rows first) and down_proj [E, H, I],
+    as transformers stacks them."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.intermediate = num_experts, intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+
+    def slot(self, expert: int, part: str) -> torch.Tensor:
+        """Where the checkpoint's experts.{expert}.{part}.weight goes (this rank's shard of it)."""
+        if part == "down_proj":
+            return self.down_proj[expert]
+        return self.gate_up_proj[expert].narrow(0, 0 if part == "gate_proj" else self.intermediate, self.intermediate)
+
+    def grouped(
+        self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(Σ over each token's experts of weight · expert(x), tokens routed to each expert). The
+        token-expert pairs are sorted by expert, so each active expert runs on its rows at once."""
+        flat = ids.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        tokens = order // ids.shape[1]
+        rows = x[tokens]
+        out = torch.empty_like(rows)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count:
+                end = start + count
+                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
+                out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert])
+                start = end
+        out *= weights.flatten()[order, None]
+        return torch.zeros_like(x).index_add_(0, tokens, out), counts
+
+
+class SparseMoe(nn.Module):
+    """A sparse layer's MLP: the router (`gate`, as checkpoints name it) and the experts. Counts the
+    tokens each expert took since `take_load` was last called."""
+
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
+        super().__init__()
+        moe = cfg.moe
+        assert moe is not None
+        self.top_k, self.renormalise, self.ops = moe.top_k, moe.norm_topk_prob, ops
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1])
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, hidden] normed rows -> this rank's partial output."""
+        logits = self.gate(x)
+        if self.ops.fused_moe is not None and x.is_cuda:  # no host sync: CUDA graphs capture it
+            experts = self.experts
+            out, ids = self.ops.fused_moe(
+                x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul
+            )
+            flat = ids.flatten().long()
+            self.load.scatter_add_(0, flat, torch.ones_like(flat))
+            return out
+        weights, ids = route(logits, self.top_k, self.renormalise)
+        out, counts = self.experts.grouped(x, weights, ids, self.ops.silu_and_mul)
+        self.load += counts
+        return out
+
+    def forward_normed(
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(this rank's partial output for norm(h + residual), the new residual); the one-row
+        fusions (`fused`) are for dense MLPs only."""
+        return norm_then_linear(h, residual, norm, self)
+
+    def take_load(self) -> torch.Tensor:
+        """Tokens per expert since the last call, and a fresh count."""
+        load = self.load.clone()
+        self.load.zero_()
+        return load
