@@ -24,7 +24,7 @@ from runtime.kernels.triton.fused_moe import TUNED, Tiles, default_tiles, fused_
 from runtime.models.layers import torch_silu_and_mul
 
 TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
-SPACE = dict(block_m=(16, 32, 64, 128), block_n=(64, 128, 256), block_k=(64, 128), num_stages=(3, 4))
+SPACE = dict(block_m=(16, 32, 64, 128), block_n=(32, 64, 128, 256), block_k=(64, 128), num_stages=(3, 4))
 
 
 def candidates(tokens: int, top_k: int, experts: int) -> list[Tiles]:

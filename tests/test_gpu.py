@@ -131,10 +131,12 @@ def test_fused_experts_match_the_grouped_experts(tokens):
         x = torch.randn(tokens, 256, device="cuda", dtype=torch.bfloat16, generator=generator)
         weights, ids = route(torch.randn(tokens, 64, device="cuda", generator=generator), 8, True)
         reference, counts = experts.grouped(x, weights, ids, torch_silu_and_mul)
-        fused = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.int(), torch_silu_and_mul)
+        load = torch.zeros(64, dtype=torch.int32, device="cuda")
+        fused = fused_experts(x, experts.gate_up_proj, experts.down_proj, weights, ids.int(), torch_silu_and_mul, load=load)
     error = (fused.float() - reference.float()).norm() / reference.float().norm()
     print(f"fused experts, {tokens} tokens: relative error {error:.2e}")
-    assert error < 2e-2 and int(counts.sum()) == tokens * 8
+    assert error < 2e-2
+    assert torch.equal(load.long(), counts) and int(counts.sum()) == tokens * 8
 
 
 def test_moe_decode_and_prefill_graphs_give_the_tokens_of_eager_steps(tmp_path):

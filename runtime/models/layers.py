@@ -60,9 +60,9 @@ class FusedOps:
     rope_kv_write: Callable[..., None] | None = None
     rope_cache_fp32: bool = False
     rope_tables: Callable[[Tensor, Tensor], Any] = _whole_cache
-    # a sparse block from its router logits, on CUDA: (x, logits, gate_up, down, top_k, renormalise, silu_and_mul)
-    # -> (output, experts chosen) (runtime.kernels.triton.fused_moe)
-    fused_moe: Callable[..., tuple[Tensor, Tensor]] | None = None
+    # a sparse block from its router logits, on CUDA: (x, logits, gate_up, down, top_k, renormalise, silu_and_mul,
+    # load) -> output, each expert's pairs added to load (runtime.kernels.triton.fused_moe)
+    fused_moe: Callable[..., Tensor] | None = None
 
 
 def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
@@ -90,7 +90,7 @@ def _triton_rope_kv_write() -> Callable[..., None] | None:
     return rope_kv_write
 
 
-def _triton_fused_moe() -> Callable[..., tuple[Tensor, Tensor]] | None:
+def _triton_fused_moe() -> Callable[..., Tensor] | None:
     try:
         from runtime.kernels.triton.fused_moe import moe_forward
     except ImportError:

@@ -79,19 +79,16 @@ class SparseMoe(nn.Module):
         self.top_k, self.renormalise, self.ops = moe.top_k, moe.norm_topk_prob, ops
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1])
-        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normed rows -> this rank's partial output."""
         logits = self.gate(x)
         if self.ops.fused_moe is not None and x.is_cuda:  # no host sync: CUDA graphs capture it
             experts = self.experts
-            out, ids = self.ops.fused_moe(
-                x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul
+            return self.ops.fused_moe(
+                x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul, self.load
             )
-            flat = ids.flatten().long()
-            self.load.scatter_add_(0, flat, torch.ones_like(flat))
-            return out
         weights, ids = route(logits, self.top_k, self.renormalise)
         out, counts = self.experts.grouped(x, weights, ids, self.ops.silu_and_mul)
         self.load += counts

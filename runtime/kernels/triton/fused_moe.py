@@ -68,6 +68,7 @@ def _expert_gemm_kernel(
     w_ptr,
     c_ptr,
     weights_ptr,
+    load_ptr,
     sorted_pairs_ptr,
     block_experts_ptr,
     padded_ptr,
@@ -81,6 +82,7 @@ def _expert_gemm_kernel(
     TOP_K: tl.constexpr,
     ROWS_ARE_PAIRS: tl.constexpr,
     MUL_WEIGHTS: tl.constexpr,
+    COUNT: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -92,6 +94,8 @@ def _expert_gemm_kernel(
     live = pair < pairs
     row = pair if ROWS_ARE_PAIRS else pair // TOP_K
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if COUNT and tile == 0:  # each block's first program counts its live pairs toward its expert's load
+        tl.atomic_add(load_ptr + expert, tl.sum(live.to(tl.int32)))
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     a = a_ptr + row.to(tl.int64)[:, None] * stride_am + k[None, :]
@@ -120,19 +124,21 @@ def expert_gemm(
     top_k: int,
     tiles: Tiles,
     routing_weights: torch.Tensor | None = None,
+    load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[pair] = a[row of pair] @ weight[expert of pair].T (· the pair's routing weight), for every
-    pair of the sorted blocks. a's rows are tokens (out has top_k rows each) or, where it has as many
-    rows as out, the pairs themselves."""
+    pair of the sorted blocks; `load` (int32 [experts]) counts each expert's pairs. a's rows are tokens
+    (out has top_k rows each) or, where it has as many rows as out, the pairs themselves."""
     pairs, n = out.shape
     k = weight.shape[2]
     assert a.stride(1) == 1 and weight.stride(2) == 1 and out.stride(1) == 1 and a.shape[1] == k
-    grid = (triton.cdiv(n, tiles.block_n), block_experts.numel())
+    grid = (triton.cdiv(n, tiles.block_n), min(block_experts.numel(), pairs))  # each live block holds a pair at least
     _expert_gemm_kernel[grid](
         a,
         weight,
         out,
         routing_weights if routing_weights is not None else out,
+        load if load is not None else block_experts,
         sorted_pairs,
         block_experts,
         padded,
@@ -146,6 +152,7 @@ def expert_gemm(
         TOP_K=top_k,
         ROWS_ARE_PAIRS=a.shape[0] == pairs,
         MUL_WEIGHTS=routing_weights is not None,
+        COUNT=load is not None,
         BLOCK_M=tiles.block_m,
         BLOCK_N=tiles.block_n,
         BLOCK_K=tiles.block_k,
@@ -181,15 +188,17 @@ def fused_experts(
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
     tiles: Tiles | None = None,
     align: Align = sgl_align,
+    load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ over each token's top_k experts of weight · down[e] @ silu_and_mul(gate_up[e] @ x): [T, H].
-    gate_up [E, 2·I, H] (gate rows first), down [E, H, I], routing_weights and ids [T, top_k]."""
+    gate_up [E, 2·I, H] (gate rows first), down [E, H, I], routing_weights and ids [T, top_k]; `load`
+    (int32 [E]) gains each expert's pairs."""
     tokens, top_k = ids.shape
     tiles = tiles or tiles_for(tokens, gate_up.shape[0], down.shape[2], top_k, x.device)
     sorted_pairs, block_experts, padded = align(ids, gate_up.shape[0], tiles.block_m)
     pairs = tokens * top_k
     hidden = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
-    expert_gemm(x, gate_up, hidden, sorted_pairs, block_experts, padded, top_k, tiles)
+    expert_gemm(x, gate_up, hidden, sorted_pairs, block_experts, padded, top_k, tiles, load=load)
     out = torch.empty(pairs, down.shape[1], dtype=x.dtype, device=x.device)
     expert_gemm(silu_and_mul(hidden), down, out, sorted_pairs, block_experts, padded, top_k, tiles, routing_weights)
     return out.view(tokens, top_k, -1).sum(dim=1)
@@ -203,12 +212,13 @@ def moe_forward(
     top_k: int,
     renormalise: bool,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A sparse block from the router's logits: (output [T, H], the experts chosen [T, top_k]);
+    load: torch.Tensor,
+) -> torch.Tensor:
+    """A sparse block from the router's logits: output [T, H], each expert's pairs added to `load`;
     sgl-kernel's fused softmax-top-k, then fused_experts."""
     import sgl_kernel
 
     weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
     sgl_kernel.topk_softmax(weights, ids, logits.float(), renormalise)
-    return fused_experts(x, gate_up, down, weights, ids, silu_and_mul), ids
+    return fused_experts(x, gate_up, down, weights, ids, silu_and_mul, load=load)
