@@ -53,6 +53,7 @@ class ApiWorker(Actor):
         self.served_model = serve.served_model_name
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
+        self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
         self._tokenizer_slot = self.control.index("tokenizer")
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
         self.request_timeout = serve.request_timeout
@@ -197,7 +198,7 @@ class ApiWorker(Actor):
         return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:
-        """The schedulers' gauges: each replica's, and their sums under "scheduler"; for a
+        """The KV cache's dtype and tokens; the schedulers' gauges: each replica's, and their sums under "scheduler"; for a
         mixture-of-experts model, each replica's latest interval of routing counts under "moe"."""
         replicas = []
         for name in self.schedulers:
@@ -207,6 +208,8 @@ class ApiWorker(Actor):
             "model": self.served_model,
             "max_model_len": self.max_model_len,
             "epoch": self.epoch,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "kv_tokens": sum(replica["total_pages"] for replica in replicas) * self.page_size,  # 0 until the engines report
             "scheduler": {key: sum(replica[key] for replica in replicas) for key in replicas[0]},
             "replicas": replicas,
         }

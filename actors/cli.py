@@ -12,7 +12,7 @@ import orjson
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
 from actors.pipeline import ServeConfig, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
-from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, EngineConfig, device_defaults
+from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, KV_CACHE_DTYPES, EngineConfig, device_defaults
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
 from runtime.scheduler.router import POLICIES
@@ -86,6 +86,8 @@ def serve(args: argparse.Namespace) -> int:
             steps_in_flight=args.steps_in_flight,
             tensor_parallel_size=args.tensor_parallel_size,
             custom_all_reduce=args.custom_all_reduce,
+            kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization,
         )
         model_dir = resolve_model_dir(args.model)
         config = ServeConfig(
@@ -189,6 +191,17 @@ def main(argv: list[str] | None = None) -> int:
         help="auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with AMX bf16 tiles, else float32)",
     )
     s.add_argument("--device", default=engine.device)
+    s.add_argument(
+        "--quantization",
+        choices=("fp8",),
+        help="fp8: quantize a bf16/fp32 checkpoint's projections per output channel at load (an FP8 checkpoint needs no flag)",
+    )
+    s.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default=engine.kv_cache_dtype,
+        help="auto: the model's dtype; fp8_e4m3 (fp8): float8 pages with a scale per layer, twice the tokens of bf16 (CPU so far)",
+    )
     s.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help=by_device("attention_backend"))
     s.add_argument("--mem-fraction", type=float, default=engine.mem_fraction, help="CUDA: share of device memory for weights and KV cache")
     s.add_argument(

@@ -36,6 +36,25 @@ class MoeConfig:
 
 
 @dataclass(frozen=True)
+class Fp8Config:
+    """A block-quantized FP8 checkpoint (quantization_config quant_method "fp8"; runtime.models.fp8)."""
+
+    weight_block: tuple[int, int] = (128, 128)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> Fp8Config:
+        method = raw.get("quant_method")
+        if method != "fp8":
+            raise ValueError(f"quantization {method!r} is not supported; supported: fp8 (block-quantized)")
+        if raw.get("activation_scheme", "dynamic") != "dynamic":
+            raise ValueError("FP8 checkpoints with static activation scales are not supported; dynamic ones are")
+        block = raw.get("weight_block_size")
+        if not block or len(block) != 2:
+            raise ValueError("FP8 checkpoints quantized per tensor or per channel are not supported; weight_block_size is needed")
+        return cls(weight_block=(int(block[0]), int(block[1])))
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     architecture: str
     vocab_size: int
@@ -54,6 +73,7 @@ class ModelConfig:
     rope: RopeConfig
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None
+    fp8: Fp8Config | None = None  # the checkpoint's projections are block-quantized FP8
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -100,6 +120,7 @@ class ModelConfig:
             rope=rope,
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             moe=moe,
+            fp8=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
         )
 
     @classmethod
@@ -124,6 +145,9 @@ def device_defaults(device: str) -> dict[str, Any]:
     }
 
 
+KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8: vLLM's name for fp8_e4m3
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -146,6 +170,8 @@ class EngineConfig:
     # CUDA: all-reduces up to ONE_SHOT_MAX_BYTES by torch's symmetric-memory one-shot kernel instead of NCCL
     # (off: measured in the engine, NCCL was as fast; README, Tensor parallelism)
     custom_all_reduce: bool = False
+    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 (or fp8): float8 pages, a scale per layer
+    quantization: str | None = None  # fp8: a bf16/fp32 checkpoint's projections quantized per output channel at load
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
@@ -170,6 +196,16 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least {least}, not {value}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], not {self.mem_fraction}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 or none, not {self.quantization!r}")
+        if self.fp8_kv and self.device.startswith("cuda"):
+            raise ValueError("an fp8_e4m3 KV cache runs on CPU so far; on CUDA use kv_cache_dtype auto")
+
+    @property
+    def fp8_kv(self) -> bool:
+        return self.kv_cache_dtype != "auto"
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -46,6 +46,13 @@ def _cmdline(proc: psutil.Process) -> list[str]:
         return []
 
 
+def _descends_from(proc: psutil.Process, pids: set[int]) -> bool:
+    try:
+        return any(parent.pid in pids for parent in proc.parents())
+    except psutil.Error:
+        return False
+
+
 _our_ports: set[str] = set()
 
 
@@ -57,10 +64,14 @@ def _our_segments() -> set[str]:
 @pytest.fixture(autouse=True)
 def leak_guard() -> Iterator[None]:
     """Whatever a test starts (processes, segments) must be gone when it ends; servers shared by
-    the whole session existed before the test and are checked when the session ends."""
+    the session or a module existed before the test (with what they restart under it) and are checked
+    when they stop and when the session ends."""
     segments_before = _our_segments()
     children_before = {p.pid for p in _our_children()}
-    new_children = lambda: [p for p in _our_children() if p.pid not in children_before]  # noqa: E731
+
+    def new_children() -> list[psutil.Process]:
+        return [p for p in _our_children() if p.pid not in children_before and not _descends_from(p, children_before)]
+
     yield
     try:
         wait_for(lambda: not new_children(), 10, "child processes to exit")

@@ -21,6 +21,9 @@ NEW_TOKENS = 48
 CHUNK_BUDGET = 24  # smaller than most prompts: multi-chunk prefill, alone or inside mixed steps
 NEAR_TIE = 1e-4
 LOGPROB_TOLERANCE = 1e-3
+# an FP8 KV cache rounds to 3 mantissa bits: where fp32 noise puts a value on the other side of a rounding
+# boundary than transformers' does, that element moves by ~6%, and log-probabilities by up to ~2e-3
+FP8_KV_TOLERANCE = 1e-2
 QUESTIONS = [
     "What is the capital of France?",
     "Hi",
@@ -52,13 +55,29 @@ def prompts_for(model_dir: Path) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(torch.randint(0, 512, (n,), generator=generator).tolist()) for n in (3, 17, 40, 64, 5, 29, 90, 11))
 
 
+def fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention over keys and values rounded to float8_e4m3fn (scale 1), as an FP8 KV
+    cache stores them: the reference for kv_cache_dtype="fp8_e4m3"."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    rounded = [x.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).to(x.dtype) for x in (key, value)]
+    return sdpa_attention_forward(module, query, *rounded, attention_mask, **kwargs)
+
+
 @cache
-def reference(model_dir: Path) -> list[tuple[list[int], torch.Tensor]]:
+def reference(model_dir: Path, fp8_kv: bool = False) -> list[tuple[list[int], torch.Tensor]]:
     """transformers' greedy ids and per-step log-softmax for each prompt, all in one left-padded batch:
     the same ids as one prompt at a time, in far less time, and log-probabilities well inside LOGPROB_TOLERANCE."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AttentionInterface, AutoModelForCausalLM
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    attention = "sdpa"
+    if fp8_kv:
+        AttentionInterface.register("fp8_kv_sdpa", fp8_kv_sdpa)
+        AttentionMaskInterface.register("fp8_kv_sdpa", sdpa_mask)  # SDPA's masks, as for "sdpa"
+        attention = "fp8_kv_sdpa"
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).eval()
     model.generation_config.eos_token_id = None  # generate all 48 tokens, like ignore_eos
     prompts = prompts_for(model_dir)
     width = max(map(len, prompts))
@@ -84,20 +103,23 @@ def divergence(ours: list[int], theirs: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), len(ours))
 
 
-def greedy_matches(ours: list[int], theirs: list[int], ref_logprobs: torch.Tensor) -> int:
+def greedy_matches(ours: list[int], theirs: list[int], ref_logprobs: torch.Tensor, near_tie: float = NEAR_TIE) -> int:
     """Assert the greedy ids agree up to a true near-tie; returns 1 if they part at one, else 0."""
     assert len(ours) == len(theirs) == NEW_TOKENS
     at = divergence(ours, theirs)
     if at == len(ours):
         return 0
     best_two = ref_logprobs[at].topk(2).values
-    assert best_two[0] - best_two[1] < NEAR_TIE, f"greedy ids diverge at position {at} with no near-tie"
+    assert best_two[0] - best_two[1] < near_tie, f"greedy ids diverge at position {at} with no near-tie"
     return 1  # past a tie the two continuations are different texts
 
 
-def compare(model_dir: Path, page_size: int, mixed_chunk: bool, passes: int = 1) -> int:
-    """Run ringllm on the whole batch and check it against transformers; returns near-ties. Each pass
-    after the first reads the prompts back from the prefix cache."""
+def compare(model_dir: Path, page_size: int, mixed_chunk: bool, passes: int = 1, reference_dir: Path | None = None, **options) -> int:
+    """Run ringllm (LLM `options` added) on the whole batch and check it against transformers (on
+    `reference_dir`, where the weights transformers should run are another folder's); returns
+    near-ties. Each pass after the first reads the prompts back from the prefix cache."""
+    fp8_kv = options.get("kv_cache_dtype", "auto") != "auto"
+    tolerance, near_tie = (FP8_KV_TOLERANCE, FP8_KV_TOLERANCE) if fp8_kv else (LOGPROB_TOLERANCE, NEAR_TIE)
     llm = LLM(
         model_dir,
         dtype="float32",
@@ -105,18 +127,19 @@ def compare(model_dir: Path, page_size: int, mixed_chunk: bool, passes: int = 1)
         max_prefill_tokens=CHUNK_BUDGET,
         num_pages=8192 // page_size,
         mixed_chunk=mixed_chunk,
+        **options,
     )
     prompts = [list(p) for p in prompts_for(model_dir)]
     near_ties = 0
     for attempt in range(passes):
         outputs = llm.generate(prompts, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5))
         assert attempt == 0 or all(o.cached_tokens >= len(p) - page_size for o, p in zip(outputs, prompts) if len(p) > page_size)
-        for output, (ref_ids, ref_logprobs) in zip(outputs, reference(model_dir)):
+        for output, (ref_ids, ref_logprobs) in zip(outputs, reference(reference_dir or model_dir, fp8_kv)):
             assert len(output.token_ids) == NEW_TOKENS and output.finish_reason == "length"
             for position, top in enumerate(output.logprobs[: divergence(output.token_ids, ref_ids) + 1]):
                 for token, logprob in top.items():
-                    assert abs(logprob - ref_logprobs[position, token].item()) < LOGPROB_TOLERANCE, (position, token)
-            near_ties += greedy_matches(output.token_ids, ref_ids, ref_logprobs)
+                    assert abs(logprob - ref_logprobs[position, token].item()) < tolerance, (position, token)
+            near_ties += greedy_matches(output.token_ids, ref_ids, ref_logprobs, near_tie)
     llm.flush_cache()
     assert llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_pages
     return near_ties

@@ -72,32 +72,39 @@ def server_processes(server) -> list[psutil.Process]:
     return psutil.Process(server.proc.pid).children(recursive=True)
 
 
-def test_a_dead_api_worker_ends_only_its_own_connections(served, tmp_path):
-    server = launch(served, tmp_path / "serve.log", "--api-workers", "2")
-    try:
-        bodies = _bodies(32, 200, server.model)
+@pytest.fixture(scope="module")
+def two_workers(tiny_model, smollm2, tmp_path_factory):
+    """A server with two api workers, shared: a worker's death, then (last) a SIGTERM that ends it."""
+    folder = tmp_path_factory.mktemp("two-workers")
+    server = launch(with_tokenizer(tiny_model("llama"), smollm2, folder / "model"), folder / "serve.log", "--api-workers", "2")
+    yield server
+    if server.proc.poll() is None:
+        server.stop()
 
-        async def scenario():
-            async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
-                reference = await _load(http, bodies)
-                load = asyncio.create_task(_load(http, bodies))
-                await asyncio.sleep(0.3)
-                rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
-                os.kill(next(r["pid"] for r in rows if r["name"] == "api1"), signal.SIGKILL)
-                return reference, await load
 
-        reference, streams = asyncio.run(scenario())
-        failed = [s for s in streams if s.error]
-        completed = [(s, r) for s, r in zip(streams, reference) if not s.error]
-        assert failed and completed and all(s.text == r.text and s.token_ids == r.token_ids for s, r in completed)
-        assert all(not s.error.startswith("HTTP") for s in failed), failed  # dropped connections, not refusals
-        print(f"api worker SIGKILL: {len(failed)} of {len(streams)} connections dropped, the rest unchanged")
-        wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the restarted worker")
-        wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "requests to settle")
-        info = server.get("/server_info")["scheduler"]
-        assert info["used_pages"] == info["cached_pages"]  # nothing of the dead worker's requests holds pages
-    finally:
-        assert server.stop() < 5
+def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
+    server = two_workers
+    bodies = _bodies(32, 200, server.model)
+
+    async def scenario():
+        async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
+            reference = await _load(http, bodies)
+            load = asyncio.create_task(_load(http, bodies))
+            await asyncio.sleep(0.3)
+            rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
+            os.kill(next(r["pid"] for r in rows if r["name"] == "api1"), signal.SIGKILL)
+            return reference, await load
+
+    reference, streams = asyncio.run(scenario())
+    failed = [s for s in streams if s.error]
+    completed = [(s, r) for s, r in zip(streams, reference) if not s.error]
+    assert failed and completed and all(s.text == r.text and s.token_ids == r.token_ids for s, r in completed)
+    assert all(not s.error.startswith("HTTP") for s in failed), failed  # dropped connections, not refusals
+    print(f"api worker SIGKILL: {len(failed)} of {len(streams)} connections dropped, the rest unchanged")
+    wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the restarted worker")
+    wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "requests to settle")
+    info = server.get("/server_info")["scheduler"]
+    assert info["used_pages"] == info["cached_pages"]  # nothing of the dead worker's requests holds pages
 
 
 def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_path):
@@ -172,8 +179,8 @@ def test_health_is_503_while_an_actor_is_down_and_live_stays_200(served, tmp_pat
         assert server.stop() < 5
 
 
-def test_sigterm_drains_in_flight_requests_then_leaves_nothing(served, tmp_path):
-    server = launch(served, tmp_path / "serve.log", "--api-workers", "2")
+def test_sigterm_drains_in_flight_requests_then_leaves_nothing(two_workers):
+    server = two_workers
     bodies = _bodies(16, 400, server.model)
 
     async def scenario():

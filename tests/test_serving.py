@@ -16,7 +16,6 @@ import pytest
 
 from tests.conftest import launch, wait_for, with_tokenizer
 from tests.test_parity import NEW_TOKENS, greedy_matches, prompts_for, reference
-from tests.tiny_models import ARCHITECTURES
 from transport.segment import list_segments, server_prefix
 
 QUESTIONS = [
@@ -48,7 +47,9 @@ def assert_parity(ids: list[list[int]], model_dir) -> int:
     return sum(greedy_matches(ours, ref_ids, ref_logprobs) for ours, (ref_ids, ref_logprobs) in zip(ids, reference(model_dir)))
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+# the pipeline is the same for every architecture (each is checked in-process in tests/test_parity.py): over
+# HTTP, Llama (llama3 rope) and Qwen2 (biases, tied embeddings) here, Qwen3 under --tp 2 and Qwen3-MoE elsewhere
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_tiny_model_parity_through_every_process_and_clean_sigint(arch, tiny_model, smollm2, tmp_path):
     served = with_tokenizer(tiny_model(arch), smollm2, tmp_path / "model")
     server = launch(served, tmp_path / "serve.log", "--page-size", "16", "--max-prefill-tokens", "24")

@@ -17,10 +17,10 @@ from tests.test_serving import _stream_text, complete_ids
 from tests.tiny_models import build
 from transport.segment import list_segments, server_prefix
 
-# Qwen3 with one KV head (replicated on both ranks); Mistral with a vocabulary that does not halve
-# (the last shard is padded); Qwen2 with q/k/v biases and tied embeddings; Llama with llama3 rope;
-# Qwen3-MoE with experts split by their intermediate rows, dense layers among the sparse
-OVERRIDES = {"llama": {}, "qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "mistral": {"vocab_size": 509}, "qwen3_moe_mixed": {}}
+# Qwen3 with one KV head (replicated on both ranks); Mistral (Llama's layers) with a vocabulary that
+# does not halve (the last shard is padded); Qwen2 with q/k/v biases and tied embeddings; Qwen3-MoE with
+# experts split by their intermediate rows, dense layers among the sparse
+OVERRIDES = {"qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "mistral": {"vocab_size": 509}, "qwen3_moe_mixed": {}}
 SPLIT = dict(dtype="float32", page_size=16, max_prefill_tokens=24)  # prompts of 40-61 tokens take 2-3 chunks
 PREFIX = [(7 * i) % 500 + 3 for i in range(40)]
 PROMPTS = [PREFIX + [11, 12], PREFIX + [13], [(5 * i) % 500 + 2 for i in range(61)], [9, 8, 7]]
@@ -89,8 +89,8 @@ def test_tp_2_serves_the_same_tokens_and_a_dead_rank_restarts_its_group(models, 
     ],
 )
 def test_a_split_that_cannot_run_is_refused_before_anything_loads(models, flags, message):
-    done = ringllm("serve", "--model", str(models["llama"]), "--port", "1", *flags, check=False, timeout=60)
+    done = ringllm("serve", "--model", str(models["mistral"]), "--port", "1", *flags, check=False, timeout=60)
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
     if "cuda" not in flags:
         with pytest.raises(ValueError, match=message):
-            LLM(models["llama"], tensor_parallel_size=int(flags[1]))
+            LLM(models["mistral"], tensor_parallel_size=int(flags[1]))

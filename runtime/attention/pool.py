@@ -1,5 +1,7 @@
 """The paged KV pool. Each layer is one tensor [page, 2 (K, V), slot in page, kv head, head dim]:
-flashinfer's NHD paged layout, so K and V of a token land with one write."""
+flashinfer's NHD paged layout, so K and V of a token land with one write. An FP8 pool stores each
+value divided by its layer's K or V scale (1.0 unless the checkpoint gives k_scale / v_scale, as vLLM
+reads them) and hands back the product in the model's dtype."""
 
 from __future__ import annotations
 
@@ -8,12 +10,26 @@ from torch import Tensor
 
 from runtime.engine.batch import ForwardBatch
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
+
 
 class KVPool:
     def __init__(
-        self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        compute_dtype: torch.dtype | None = None,
+        scales: list[tuple[float, float]] | None = None,
     ) -> None:
+        """`dtype`: what the pages store; `compute_dtype`: what attention reads (the same unless FP8)."""
         self.page_size, self.device, self.dtype = page_size, device, dtype
+        self.compute_dtype = compute_dtype or dtype
+        self.scales = scales or [(1.0, 1.0)] * num_layers
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
         # zeroed: kernels load whole pages, and a masked slot's NaN garbage times a zero weight is NaN
@@ -29,4 +45,18 @@ class KVPool:
 
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens (on CUDA rope_kv writes them instead)."""
-        self.rows(layer)[batch.kv_rows] = kv.flatten(2)
+        kv = kv.flatten(2)
+        if self.dtype != self.compute_dtype:
+            k_scale, v_scale = self.scales[layer]
+            divisor = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv.device)[None, :, None]
+            kv = (kv.float() / divisor).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
+        self.rows(layer)[batch.kv_rows] = kv
+
+    def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
+        """K and V of `pages` ([P] page numbers), each [P, slot, kv heads, dim] in the compute dtype."""
+        pool = self.kv[layer]
+        keys, values = pool.select(1, 0).index_select(0, pages), pool.select(1, 1).index_select(0, pages)
+        if self.dtype == self.compute_dtype:
+            return keys, values
+        k_scale, v_scale = self.scales[layer]
+        return keys.to(self.compute_dtype).mul_(k_scale), values.to(self.compute_dtype).mul_(v_scale)

@@ -37,7 +37,7 @@ class TorchAttention:
             # additive, in the pool's dtype: SDPA would convert a boolean mask in every layer
             hidden = np.arange(width * ps)[None, :] >= meta.kv_lens[:, None]
             mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
-            self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.dtype, device=device).masked_fill_(mask, float("-inf")))
+            self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.compute_dtype, device=device).masked_fill_(mask, float("-inf")))
             return
         self._pages = [
             torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device) for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])
@@ -45,9 +45,9 @@ class TorchAttention:
 
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
-        pool, flat = self.pool.kv[layer], pages.flatten()
         shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
-        return pool.select(1, 0).index_select(0, flat).view(shape), pool.select(1, 1).index_select(0, flat).view(shape)
+        keys, values = self.pool.gather(layer, pages.flatten())
+        return keys.view(shape), values.view(shape)
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
         meta, kv_heads = batch.meta, self.pool.num_kv_heads

@@ -25,6 +25,7 @@ from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_one_row_fusion
 from runtime.engine.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.cpu_linears import default_dtype
+from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
@@ -121,11 +122,23 @@ class Engine:
             torch.cuda.set_device(self.device)
         self.model_config = cfg = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp)
+        self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
+        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
-        self.pool = KVPool(cfg.num_layers, self.num_pages + 1, config.page_size, self.kv_heads, cfg.head_dim, self.dtype, self.device)
+        scales = kv_scales(model_dir, cfg.num_layers) if config.fp8_kv and not config.dummy_weights else None
+        self.pool = KVPool(
+            cfg.num_layers,
+            self.num_pages + 1,
+            config.page_size,
+            self.kv_heads,
+            cfg.head_dim,
+            self.kv_dtype,
+            self.device,
+            self.dtype,
+            scales,
+        )
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1])
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
@@ -160,6 +173,7 @@ class Engine:
             device=str(self.device),
             pages=self.num_pages,
             kv_tokens=self.num_pages * config.page_size,
+            kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             cuda_graphs=self.graphs.sizes if self.graphs else None,
             few_row_kernels=few_row_gemms,
             one_row_fused=one_row_fused,
@@ -192,10 +206,10 @@ class Engine:
         if config.num_pages:
             return config.num_pages
         if self.device.type != "cuda":
-            return config.pages_for(DEFAULT_KV_TOKENS)
+            return config.pages_for(DEFAULT_KV_TOKENS * self.dtype.itemsize // self.kv_dtype.itemsize)  # the same bytes
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * config.mem_fraction - (total - free)
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.dtype)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
         if budget < 16 * page_bytes:
             raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
         return int(budget // page_bytes) - 1

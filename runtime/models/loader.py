@@ -12,17 +12,19 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
-from runtime.config import ModelConfig
+from runtime.config import Fp8Config, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.models.cpu_linears import prepack_linears
 from runtime.models.decoder import STACKED
+from runtime.models.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_per_channel, scale_name
 from runtime.models.layers import select_fused_ops
 from runtime.models.moe import EXPERT_PARTS, Experts
 from runtime.models.registry import MODELS
 from runtime.models.sharding import read_shard
 
 log = structlog.get_logger()
-IGNORED = ("rotary_emb.inv_freq", "lm_head.weight")  # recomputed; or the tied embedding's copy
+# recomputed; or the tied embedding's copy; an FP8 KV cache's scales (runtime.models.fp8.kv_scales reads them)
+IGNORED = ("rotary_emb.inv_freq", "lm_head.weight", "self_attn.k_scale", "self_attn.v_scale")
 EXPERT_WEIGHT = re.compile(rf"(.+\.experts)\.(\d+)\.({'|'.join(EXPERT_PARTS)})\.weight$")
 
 
@@ -34,8 +36,11 @@ def build_model(
     dummy: bool,
     fused_ops: str | None = None,
     tp: TensorParallel = SINGLE,
+    quantization: str | None = None,
 ) -> nn.Module:
-    """The model on `device`, holding this rank's shard of every weight."""
+    """The model on `device`, holding this rank's shard of every weight; with quantization "fp8", a
+    checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
+    shard's rows, as vLLM does)."""
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)
@@ -52,15 +57,18 @@ def build_model(
     if dummy:
         _random_weights(model)
     else:
-        _load_safetensors(model, model_dir, lambda name, source: read_shard(name, source, cfg, tp))
+        _load_safetensors(model, model_dir, lambda name, source: read_shard(name, source, cfg, tp), cfg.fp8)
+    if quantization == "fp8" and cfg.fp8 is None:
+        log.info("fp8_weights", projections=quantize_per_channel(model))
     model.make_rope_cache(device, dtype)
     if device.type == "cpu":
         log.info("cpu_linears", kind=prepack_linears(model, dtype))
     return model.eval()
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, Any], torch.Tensor]) -> None:
-    """Each tensor through `shard` (name, safetensors slice) -> what this rank keeps of it."""
+def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, Any], torch.Tensor], fp8: Fp8Config | None) -> None:
+    """Each tensor through `shard` (name, safetensors slice) -> what this rank keeps of it. An FP8
+    checkpoint's quantized weights are dequantized whole with their block scales, then sharded."""
     params = dict(model.named_parameters())  # tied weights appear once
     shards = {
         f"{prefix}.{kind}": module.shard_sizes
@@ -92,6 +100,21 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
+    scale_files = {}  # a quantized weight's scales may sit in another file
+    if fp8 is not None:
+        for file in files:
+            with safe_open(str(file), framework="pt") as f:
+                scale_files |= {name: file for name in f.keys() if name.endswith(SCALE_SUFFIX)}
+
+    def read(name: str, f: Any) -> Any:
+        source = f.get_slice(name)
+        if source.get_dtype() != "F8_E4M3":
+            return source
+        if fp8 is None or scale_name(name) not in scale_files:
+            raise ValueError(f"{name} in {model_dir} is FP8 without block scales (config.json's quantization_config)")
+        with safe_open(str(scale_files[scale_name(name)]), framework="pt") as scales:
+            return dequantize_blockwise(f.get_tensor(name), scales.get_tensor(scale_name(name)), fp8.weight_block)
+
     unknown = []
     with torch.no_grad():
         for file in files:
@@ -99,9 +122,9 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
                 for name in f.keys():
                     if (found := destination(name)) is not None:
                         key, target = found
-                        target.copy_(shard(name, f.get_slice(name)))
+                        target.copy_(shard(name, read(name, f)))
                         missing.discard(key)
-                    elif not name.endswith(IGNORED):
+                    elif not name.endswith(IGNORED) and name not in scale_files:
                         unknown.append(name)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
