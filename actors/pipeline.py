@@ -36,6 +36,8 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, not {self.data_parallel_size}")
+        if not self.stats_interval > 0:
+            raise ValueError(f"stats_interval must be more than 0 seconds, not {self.stats_interval}")
         if self.dp_policy not in POLICIES:
             raise ValueError(f"dp_policy must be one of {', '.join(POLICIES)}, not {self.dp_policy!r}")
 

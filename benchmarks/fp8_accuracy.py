@@ -5,7 +5,7 @@ an FP8 KV cache (`kv_cache_dtype="fp8_e4m3"`), FP8 weights (`quantization="fp8"`
 
 The text is a fixed set of Python standard-library docstrings (English prose with some code), so
 anyone with the same Python gets the same tokens. A mode that moves perplexity by more than 2% is a
-defect (issue 40).
+defect.
 
     python -m benchmarks.fp8_accuracy [--model PATH] [--device cuda] [--out FILE]
 """
@@ -99,7 +99,7 @@ def main(argv: list[str] | None = None) -> None:
         baseline = baseline or cont
         results[mode] = {"perplexity": round(ppl, 4), "greedy_agreement": round(agreement(cont, baseline), 4)}
         print(mode, results[mode], flush=True)
-        del llm
+        llm.close()
     base = results["baseline"]["perplexity"]
     for found in results.values():
         found["perplexity_change"] = f"{100 * (found['perplexity'] / base - 1):+.2f}%"

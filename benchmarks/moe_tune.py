@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import functools
 import itertools
+import os
 from pathlib import Path
 
 import orjson
@@ -77,7 +78,9 @@ def main(argv: list[str] | None = None) -> None:
     found = tune(cfg, args.tp)
     name = table_name(cfg.moe.num_experts, cfg.moe.intermediate_size // args.tp, cfg.moe.top_k, torch.cuda.get_device_name())
     TUNED.mkdir(exist_ok=True)
-    (TUNED / name).write_bytes(orjson.dumps({str(k): v for k, v in found["table"].items()}, option=orjson.OPT_INDENT_2) + b"\n")
+    partial = TUNED / f"{name}.partial"  # the engine reads the table: never half of one
+    partial.write_bytes(orjson.dumps({str(k): v for k, v in found["table"].items()}, option=orjson.OPT_INDENT_2) + b"\n")
+    os.replace(partial, TUNED / name)
     print(f"wrote {TUNED / name}")
     if args.out:
         args.out.write_bytes(orjson.dumps({"gpu": torch.cuda.get_device_name(), **found}, option=orjson.OPT_INDENT_2) + b"\n")

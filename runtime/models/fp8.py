@@ -2,8 +2,8 @@
 projection's weight stored as float8_e4m3fn, with `weight_scale_inv` holding one fp32 scale per block
 of weight_block_size (128 x 128) rows and columns, the last blocks of a dimension that is not a
 multiple of the block being partial; embeddings, norms and the LM head stay unquantized. Dequantized,
-a weight is fp8 · scale_inv of its block. And vLLM's online FP8 for other checkpoints: each
-projection's rows quantized with a scale of their own (max |w| / 448) at load."""
+a weight is fp8 · scale_inv of its block. And, for other checkpoints, online FP8 as vLLM offers it,
+with a scale per row rather than per tensor: each projection's rows quantized (max |w| / 448) at load."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from runtime.attention.pool import FP8_MAX
+
 SCALE_SUFFIX = "weight_scale_inv"
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # the decoder's projections and the experts' stacked ones; not embeddings, norms, the LM head or a router
 QUANTIZED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "experts.gate_up_proj", "experts.down_proj")
 KV_SCALE = re.compile(r"layers\.(\d+)\.self_attn\.([kv])_scale$")  # vLLM's names for an FP8 KV cache's scales
@@ -54,8 +55,8 @@ def per_channel_round_trip(weight: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def quantize_per_channel(model: torch.nn.Module) -> int:
-    """Round every projection of `model` through per-row FP8, in place; returns how many. On CPU the
-    dequantized weights are what runs (the FP8 GEMMs of CUDA are issue 40's GPU half)."""
+    """Round every projection of `model` through per-row FP8, in place; returns how many. The rounded
+    weights run in the model's dtype (README, FP8)."""
     names = [name for name, _ in model.named_parameters() if name.endswith(QUANTIZED)]
     params = dict(model.named_parameters())
     for name in names:

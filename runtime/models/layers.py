@@ -91,9 +91,13 @@ def _triton_rope_kv_write() -> Callable[..., None] | None:
 
 
 def _triton_fused_moe() -> Callable[..., Tensor] | None:
+    """The CUDA sparse block (Triton GEMMs over sgl-kernel's routing), where both import: every op
+    set carries it, as the per-expert CPU path syncs with the host and CUDA graphs cannot capture it."""
     try:
+        import sgl_kernel  # noqa: F401
+
         from runtime.kernels.triton.fused_moe import moe_forward
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):
         return None
     return moe_forward
 
@@ -131,6 +135,7 @@ def _flashinfer() -> FusedOps:
         rope,
         _triton_rope_kv_write(),
         rope_cache_fp32=True,
+        fused_moe=_triton_fused_moe(),
     )
 
 
@@ -147,7 +152,9 @@ FUSED_OPS: dict[str, Callable[[], FusedOps]] = {
     "sgl_kernel": _sgl_kernel,
     "flashinfer": _flashinfer,
     "ringllm_cpu": _ringllm_cpu,
-    "torch": lambda: FusedOps(torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope, rope_tables=torch_rope_tables),
+    "torch": lambda: FusedOps(
+        torch_rms_norm, torch_add_rms_norm, torch_silu_and_mul, torch_rope, rope_tables=torch_rope_tables, fused_moe=_triton_fused_moe()
+    ),
 }
 
 

@@ -40,7 +40,7 @@ def build_model(
 ) -> nn.Module:
     """The model on `device`, holding this rank's shard of every weight; with quantization "fp8", a
     checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
-    shard's rows, as vLLM does)."""
+    shard's rows)."""
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)

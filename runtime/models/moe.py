@@ -8,6 +8,7 @@ the decoder layer's all-reduce sums the ranks' partial outputs."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +17,9 @@ from torch import nn
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear
+
+if TYPE_CHECKING:  # decoder.py builds SparseMoe: a type only, no import at run time
+    from runtime.models.decoder import OneRowFusion
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's experts.{e}.{part}.weight
 
@@ -95,7 +99,7 @@ class SparseMoe(nn.Module):
         return out
 
     def forward_normed(
-        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: object
+        self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: OneRowFusion
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(this rank's partial output for norm(h + residual), the new residual); the one-row
         fusions (`fused`) are for dense MLPs only."""

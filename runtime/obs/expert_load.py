@@ -2,18 +2,20 @@
 publishes the tokens each expert of each sparse layer took over the interval, as a JSON file in the
 server's metrics folder (replaced whole, so a reader never sees half of one) and as the gauge
 ringllm:moe_expert_load_imbalance{layer}: a layer's busiest expert's tokens over the mean expert's
-(1 is perfect balance; top_k of E experts at random gives about 1.5-2 at small counts)."""
+(1 is perfect balance). A replica publishes after a step that ends an interval, so an idle one keeps
+showing its last busy interval (the record says when it ended)."""
 
 from __future__ import annotations
 
 import os
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import orjson
 
-from runtime.obs.metrics import MULTIPROC_ENV
+from runtime.obs.metrics import MULTIPROC_ENV, metrics
 
 
 def imbalance(tokens_per_expert: np.ndarray) -> np.ndarray:
@@ -27,10 +29,8 @@ def _path(replica: int) -> Path | None:
     return None if folder is None else Path(folder) / f"expert-load-{replica}.json"
 
 
-def publish(replica: int, layers: list[int], tokens_per_expert: np.ndarray, interval_s: float) -> dict:
-    """Record one interval's counts ([sparse layers, experts]); returns what /server_info will show."""
-    from runtime.obs.metrics import metrics
-
+def publish(replica: int, layers: list[int], tokens_per_expert: np.ndarray, interval_s: float) -> None:
+    """Record one interval's counts ([sparse layers, experts]) for /server_info and the gauge."""
     ratios = imbalance(tokens_per_expert)
     gauge = metrics().moe_imbalance
     for layer, ratio in zip(layers, ratios):
@@ -47,10 +47,9 @@ def publish(replica: int, layers: list[int], tokens_per_expert: np.ndarray, inte
         partial = path.with_suffix(f".{os.getpid()}.tmp")
         partial.write_bytes(orjson.dumps(record))
         os.replace(partial, path)
-    return record
 
 
-def read(replicas: int) -> list[dict]:
+def read(replicas: int) -> list[dict[str, Any]]:
     """The latest interval each replica published (none before its first)."""
     found = []
     for replica in range(replicas):

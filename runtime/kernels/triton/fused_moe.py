@@ -94,6 +94,8 @@ def _expert_gemm_kernel(
     live = pair < pairs
     row = pair if ROWS_ARE_PAIRS else pair // TOP_K
     expert = tl.load(block_experts_ptr + block).to(tl.int64)
+    if expert < 0:  # a block of dropped pairs (id -1): none are made here
+        return
     if COUNT and tile == 0:  # each block's first program counts its live pairs toward its expert's load
         tl.atomic_add(load_ptr + expert, tl.sum(live.to(tl.int32)))
     n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -162,20 +164,19 @@ def expert_gemm(
     return out
 
 
-Align = Callable[[torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
-
-
 def sgl_align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pair indices sorted by expert, padded per expert to whole blocks with out-of-range pairs; each
-    block's expert; the padded total), by sgl-kernel's one-kernel alignment."""
+    block's expert; the padded total), by sgl-kernel's one-kernel alignment. Its kernel counts expert
+    e in bucket e + 1 (bucket 0 takes the id -1 of a dropped pair), so it is told of experts + 1
+    buckets, with a cumsum of experts + 2, as SGLang's own caller does."""
     import sgl_kernel
 
     most = ids.numel() + (experts + 1) * (block_m - 1)
     sorted_pairs = torch.empty(most, dtype=torch.int32, device=ids.device)
     block_experts = torch.empty(triton.cdiv(most, block_m), dtype=torch.int32, device=ids.device)
     padded = torch.empty(1, dtype=torch.int32, device=ids.device)
-    cumsum = torch.empty(experts + 1, dtype=torch.int32, device=ids.device)
-    sgl_kernel.moe_align_block_size(ids, experts, block_m, sorted_pairs, block_experts, padded, cumsum, True)
+    cumsum = torch.empty(experts + 2, dtype=torch.int32, device=ids.device)
+    sgl_kernel.moe_align_block_size(ids, experts + 1, block_m, sorted_pairs, block_experts, padded, cumsum, True)
     return sorted_pairs, block_experts, padded
 
 
@@ -187,7 +188,6 @@ def fused_experts(
     ids: torch.Tensor,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
     tiles: Tiles | None = None,
-    align: Align = sgl_align,
     load: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Σ over each token's top_k experts of weight · down[e] @ silu_and_mul(gate_up[e] @ x): [T, H].
@@ -195,7 +195,7 @@ def fused_experts(
     (int32 [E]) gains each expert's pairs."""
     tokens, top_k = ids.shape
     tiles = tiles or tiles_for(tokens, gate_up.shape[0], down.shape[2], top_k, x.device)
-    sorted_pairs, block_experts, padded = align(ids, gate_up.shape[0], tiles.block_m)
+    sorted_pairs, block_experts, padded = sgl_align(ids, gate_up.shape[0], tiles.block_m)
     pairs = tokens * top_k
     hidden = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
     expert_gemm(x, gate_up, hidden, sorted_pairs, block_experts, padded, top_k, tiles, load=load)
