@@ -56,12 +56,14 @@ def prompts_for(model_dir: Path) -> tuple[tuple[int, ...], ...]:
 
 
 def fp8_kv_sdpa(module, query, key, value, attention_mask, **kwargs):
-    """transformers' SDPA attention over keys and values rounded to float8_e4m3fn (scale 1), as an FP8 KV
-    cache stores them: the reference for kv_cache_dtype="fp8_e4m3"."""
+    """transformers' SDPA attention over keys and values stored as float8_e4m3fn, each divided by its
+    layer's scale (`module.kv_scales`, from the checkpoint's k_scale / v_scale; 1 without) and
+    multiplied back, as an FP8 KV cache stores them: the reference for kv_cache_dtype="fp8_e4m3"."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    rounded = [x.clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).to(x.dtype) for x in (key, value)]
+    scales = getattr(module, "kv_scales", (1.0, 1.0))
+    rounded = [(x / s).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn).to(x.dtype) * s for x, s in zip((key, value), scales)]
     return sdpa_attention_forward(module, query, *rounded, attention_mask, **kwargs)
 
 
@@ -78,6 +80,13 @@ def reference(model_dir: Path, fp8_kv: bool = False) -> list[tuple[list[int], to
         AttentionMaskInterface.register("fp8_kv_sdpa", sdpa_mask)  # SDPA's masks, as for "sdpa"
         attention = "fp8_kv_sdpa"
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation=attention).eval()
+    if fp8_kv:
+        from safetensors.torch import load_file
+
+        weights = load_file(model_dir / "model.safetensors")
+        for index, layer in enumerate(model.model.layers):
+            k, v = (weights.get(f"model.layers.{index}.self_attn.{kind}_scale") for kind in "kv")
+            layer.self_attn.kv_scales = (1.0 if k is None else float(k), 1.0 if v is None else float(v))
     model.generation_config.eos_token_id = None  # generate all 48 tokens, like ignore_eos
     prompts = prompts_for(model_dir)
     width = max(map(len, prompts))
