@@ -29,7 +29,10 @@ class KVPool:
         """`dtype`: what the pages store; `compute_dtype`: what attention reads (the same unless FP8)."""
         self.page_size, self.device, self.dtype = page_size, device, dtype
         self.compute_dtype = compute_dtype or dtype
+        self.quantized = self.dtype != self.compute_dtype
         self.scales = scales or [(1.0, 1.0)] * num_layers
+        # each layer's (K, V) scale shaped to divide a write's [T, 2, heads·dim]
+        self._divisors = torch.tensor(self.scales, dtype=torch.float32, device=device)[:, :, None]
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
         # zeroed: kernels load whole pages, and a masked slot's NaN garbage times a zero weight is NaN
@@ -46,17 +49,15 @@ class KVPool:
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens (on CUDA rope_kv writes them instead)."""
         kv = kv.flatten(2)
-        if self.dtype != self.compute_dtype:
-            k_scale, v_scale = self.scales[layer]
-            divisor = torch.tensor([k_scale, v_scale], dtype=torch.float32, device=kv.device)[None, :, None]
-            kv = (kv.float() / divisor).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
+        if self.quantized:
+            kv = (kv.float() / self._divisors[layer]).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
         self.rows(layer)[batch.kv_rows] = kv
 
     def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([P] page numbers), each [P, slot, kv heads, dim] in the compute dtype."""
         pool = self.kv[layer]
         keys, values = pool.select(1, 0).index_select(0, pages), pool.select(1, 1).index_select(0, pages)
-        if self.dtype == self.compute_dtype:
+        if not self.quantized:
             return keys, values
         k_scale, v_scale = self.scales[layer]
         return keys.to(self.compute_dtype).mul_(k_scale), values.to(self.compute_dtype).mul_(v_scale)

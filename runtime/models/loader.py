@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -100,32 +101,28 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
-    scale_files = {}  # a quantized weight's scales may sit in another file
-    if fp8 is not None:
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                scale_files |= {name: file for name in f.keys() if name.endswith(SCALE_SUFFIX)}
-
-    def read(name: str, f: Any) -> Any:
-        source = f.get_slice(name)
-        if source.get_dtype() != "F8_E4M3":
-            return source
-        if fp8 is None or scale_name(name) not in scale_files:
-            raise ValueError(f"{name} in {model_dir} is FP8 without block scales (config.json's quantization_config)")
-        with safe_open(str(scale_files[scale_name(name)]), framework="pt") as scales:
-            return dequantize_blockwise(f.get_tensor(name), scales.get_tensor(scale_name(name)), fp8.weight_block)
-
     unknown = []
-    with torch.no_grad():
-        for file in files:
-            with safe_open(str(file), framework="pt") as f:
-                for name in f.keys():
-                    if (found := destination(name)) is not None:
-                        key, target = found
-                        target.copy_(shard(name, read(name, f)))
-                        missing.discard(key)
-                    elif not name.endswith(IGNORED) and name not in scale_files:
-                        unknown.append(name)
+    with torch.no_grad(), contextlib.ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        # a quantized weight's block scales, wherever they sit (another file of the checkpoint may hold them)
+        scales = {name: f for f in handles for name in f.keys() if name.endswith(SCALE_SUFFIX)} if fp8 is not None else {}
+
+        def read(name: str, f: Any) -> Any:
+            source = f.get_slice(name)
+            if source.get_dtype() != "F8_E4M3":
+                return source
+            if fp8 is None or scale_name(name) not in scales:
+                raise ValueError(f"{name} in {model_dir} is FP8 without block scales (config.json's quantization_config)")
+            return dequantize_blockwise(f.get_tensor(name), scales[scale_name(name)].get_tensor(scale_name(name)), fp8.weight_block)
+
+        for f in handles:
+            for name in f.keys():
+                if (found := destination(name)) is not None:
+                    key, target = found
+                    target.copy_(shard(name, read(name, f)))
+                    missing.discard(key)
+                elif not name.endswith(IGNORED) and name not in scales:
+                    unknown.append(name)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
     if unknown:  # a tensor the model has no place for would be silently lost: a wrong model
