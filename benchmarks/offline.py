@@ -2,8 +2,8 @@
 
 The workload is mini-sglang's offline bench, so figures compare with its published ones: 256
 requests, input and output lengths uniform in [100, 1024] (seed 0), token ids below 10,000,
-temperature 0.6, ignore_eos, after a warm-up. The workload runs OFFLINE_ROUNDS times, each on an
-empty prefix cache, its figure the best, as mini-sglang's reference figures were taken. `--single`
+temperature 0.6, ignore_eos, after a warm-up. The workload runs --rounds times (default
+OFFLINE_ROUNDS), each on an empty prefix cache, its figure the best, as mini-sglang's reference figures were taken. `--single`
 adds one request of 512 greedy tokens after a prompt of SINGLE_PROMPT ids, run SINGLE_REPEATS times,
 its figure the median. Throughput is output tokens over wall time.
 
@@ -106,7 +106,7 @@ def run_in_process(
     timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
     figures = {"offline": []}
-    for _ in range(OFFLINE_ROUNDS):
+    for _ in range(args.rounds):
         llm.flush_cache()
         figures["offline"].append(timed(prompts, params))
     if single:
@@ -116,7 +116,9 @@ def run_in_process(
     return figures
 
 
-async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], single: list[int] | None) -> dict[str, list[float]]:
+async def _drive(
+    base_url: str, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+) -> dict[str, list[float]]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
@@ -146,7 +148,7 @@ async def _drive(base_url: str, prompts: list[list[int]], lengths: list[int], si
         warm = [body(p, 32, 0.6, i) for i, p in enumerate(prompts[:WARMUP])]
         await timed(warm + [body([i % 10_000 + 1], 1, 0.6, i) for i in range(len(prompts) - WARMUP)])  # + idle connections
         figures = {"offline": []}
-        for _ in range(OFFLINE_ROUNDS):
+        for _ in range(rounds):
             async with http.post("/flush_cache", json={}) as reply:  # POST routes take application/json only
                 reply.raise_for_status()
             figures["offline"].append(await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))]))
@@ -179,7 +181,7 @@ def run_pipeline(
         ]
     )
     try:
-        return asyncio.run(_drive(f"http://127.0.0.1:{port}", prompts, lengths, single))
+        return asyncio.run(_drive(f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
     finally:
         stop_server(server)
 
@@ -191,6 +193,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--in-process", action="store_true", help="drive the engine directly, without the actor pipeline")
     parser.add_argument("--single", action="store_true", help="also one request of 512 greedy tokens")
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--rounds", type=int, default=OFFLINE_ROUNDS, help="timed runs of the workload; the figure is the best")
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -216,6 +219,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dp-policy", choices=POLICIES, default=ServeConfig.dp_policy)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     if args.in_process and args.data_parallel_size > 1:
         parser.error("--dp needs the pipeline: replicas are placed by its tokenizer")
 

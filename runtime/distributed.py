@@ -61,10 +61,10 @@ class TensorParallel:
         rank of it opens (torch's FileStore). On CPU the ranks share the cores: each computes with its
         share of them."""
         size = config.tensor_parallel_size
-        if size == 1:
-            return SINGLE
         if dist.is_initialized():  # a closed LLM's group, its other ranks gone
             dist.destroy_process_group()
+        if size == 1:
+            return SINGLE
         if device.type == "cuda":
             torch.cuda.set_device(device)
             dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device)

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, TypeVar
 import numpy as np
 import structlog
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from runtime.attention.backend import GraphAttention, GraphWrapper
@@ -65,7 +66,17 @@ def best_times(graphs: dict[K, torch.cuda.CUDAGraph], rounds: int = 3) -> dict[K
     for _ in range(rounds):
         for key, graph in graphs.items():
             times[key] = min(times[key], replay_ms(graph))
-    return times
+    return _agreed(times)
+
+
+def _agreed(times: dict[K, float]) -> dict[K, float]:
+    """Under tensor parallelism, each time averaged over the ranks, so that all of them choose the same
+    kernel or graph: a rank whose own noisy timing chose a slower one would hold up every all-reduce."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return times
+    summed = torch.tensor(list(times.values()), dtype=torch.float64, device=torch.cuda.current_device())
+    dist.all_reduce(summed)
+    return dict(zip(times, (summed / dist.get_world_size()).tolist(), strict=True))
 
 
 def fastest(graphs: dict[K, torch.cuda.CUDAGraph]) -> K:

@@ -49,10 +49,10 @@ def build_model(
     with torch.device("meta"):  # no time spent initialising weights that are overwritten next
         model = MODELS[cfg.architecture](cfg, ops, tp)
     model.fused_ops = ops_name
+    model.to(dtype)  # on meta, so that memory is taken once in the model's dtype, not first in float32
     model.to_empty(device=device)
     for buffer in model.buffers():  # counters; to_empty left them unset
         buffer.zero_()
-    model.to(dtype)
     model.requires_grad_(False)
     model.tie_weights()
     if dummy:
