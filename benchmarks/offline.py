@@ -32,7 +32,7 @@ import orjson
 
 from actors.pipeline import ServeConfig
 from benchmarks.server import free_port, start_server, stop_server, wait_healthy
-from runtime.config import ATTENTION_BACKEND_NAMES, EngineConfig
+from runtime.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, EngineConfig
 from runtime.scheduler.router import POLICIES
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
@@ -81,6 +81,8 @@ def engine_options(args: argparse.Namespace) -> dict:
         "mixed_chunk": args.enable_mixed_chunk,
         "tensor_parallel_size": args.tensor_parallel_size,
         "custom_all_reduce": args.custom_all_reduce,
+        "kv_cache_dtype": args.kv_cache_dtype,
+        "quantization": args.quantization,
     }
 
 
@@ -208,6 +210,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
     parser.add_argument("--custom-all-reduce", action="store_true")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype)
+    parser.add_argument("--quantization", choices=["fp8"], help="per-row FP8 projections of a bf16 checkpoint")
     parser.add_argument(
         "--dp",
         "--data-parallel-size",

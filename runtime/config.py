@@ -200,8 +200,6 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or none, not {self.quantization!r}")
-        if self.fp8_kv and self.device.startswith("cuda"):
-            raise ValueError("an fp8_e4m3 KV cache runs on CPU so far; on CUDA use kv_cache_dtype auto")
 
     @property
     def fp8_kv(self) -> bool:

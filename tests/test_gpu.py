@@ -42,6 +42,14 @@ def paged_batch(shapes: list[tuple[int, int]], generator: torch.Generator) -> Fo
     return ForwardBatch(cuda([0] * qo[-1]), cuda(positions), torch.from_numpy(rows).cuda(), meta)
 
 
+def make_pool(kv_heads: int, fp8: bool, scales: tuple[float, float] = (0.5, 2.0)) -> KVPool:
+    """A one-layer bf16 pool, or an FP8 one whose layer has the given K and V scales."""
+    if not fp8:
+        return KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    return KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.float8_e4m3fn, torch.device("cuda"), torch.bfloat16, [scales])
+
+
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 8])  # decode on tensor cores, and on CUDA cores
 @pytest.mark.parametrize(
     "shapes",
@@ -50,7 +58,9 @@ def paged_batch(shapes: list[tuple[int, int]], generator: torch.Generator) -> Fo
         [(1, 50), (1, 300), (1, 1), (1, 17)],  # decode only
     ],
 )
-def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads):
+def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads, fp8):
+    """bf16 queries over bf16 pages, and over FP8 pages with K and V scales (which torch attention
+    dequantizes as it gathers them)."""
     generator = torch.Generator().manual_seed(0)
     batch = paged_batch(shapes, generator)
     tokens = len(batch.positions)
@@ -59,14 +69,14 @@ def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads):
     history = torch.randn(POOL_PAGES, 2, PAGE, kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
     outputs = {}
     for name, backend_cls in ATTENTION_BACKENDS.items():
-        pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+        pool = make_pool(kv_heads, fp8)
         pool.kv[0].copy_(history)
         pool.write(0, kv, batch)
         backend = backend_cls(pool, HEADS)
         backend.prepare(batch.meta)
         outputs[name] = backend.forward(0, q, batch).float()
     error = (outputs["flashinfer"] - outputs["torch"]).norm() / outputs["torch"].norm()
-    print(f"flashinfer vs torch attention, bf16, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
+    print(f"flashinfer vs torch attention, bf16, fp8 pages {fp8}, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
     assert error < 1e-2
 
 
@@ -275,13 +285,15 @@ def test_fused_ops_match_torch(name):
     close(qk, expected, "rope")
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("layout", ["eager", "graph"])
 @pytest.mark.parametrize("tokens", [1, 37, 8064])
 @pytest.mark.parametrize("heads, kv_heads, norms", [(16, 8, True), (32, 8, True), (32, 8, False)])
-def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, norms):
+def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, norms, fp8):
     """The one-pass q/k norm, rope and KV write against the torch reference's norms, rope and
     index_put: q rotated in place, K and V at rows given as [T, 2] (eager steps) or as a transposed
-    view of a [2, T] buffer (decode graphs), and every other pool row untouched."""
+    view of a [2, T] buffer (decode graphs), and every other pool row untouched. An FP8 pool gets K / 0.5
+    and V / 2.0, as KVPool.write stores them."""
     from runtime.config import RopeConfig
     from runtime.kernels.triton.rope_kv import rope_kv_write
     from runtime.models.layers import FUSED_OPS, rope_cos_sin_cache
@@ -301,10 +313,16 @@ def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, no
     if norms:
         qk = torch.cat((reference.rms_norm(qk[:, :heads], q_norm, 1e-6), reference.rms_norm(qk[:, heads:], k_norm, 1e-6)), 1)
     reference.rope(positions, qk, heads, reference.rope_tables(positions, cache.to(torch.bfloat16)))
-    expected = torch.full((pool_rows, kv_heads * 128), 7.0, dtype=torch.bfloat16, device="cuda")
-    expected[rows] = torch.stack((qk[:, heads:].flatten(1), qkv[:, (heads + kv_heads) * 128 :]), 1)
-    got, pool = qkv.clone(), torch.full_like(expected, 7.0)
-    rope_kv_write(got, positions, cache, q_norm, k_norm, 1e-6, pool, rows, heads, kv_heads)
+    new_kv = torch.stack((qk[:, heads:].flatten(1), qkv[:, (heads + kv_heads) * 128 :]), 1)
+    scales = (0.5, 2.0) if fp8 else (1.0, 1.0)
+    if fp8:
+        divisors = torch.tensor(scales, device="cuda")[:, None]
+        new_kv = (new_kv.float() / divisors).clamp(-448, 448).to(torch.float8_e4m3fn)
+    pool = torch.full((pool_rows, kv_heads * 128), 7.0, dtype=torch.bfloat16, device="cuda").to(new_kv.dtype)
+    expected = pool.clone()
+    expected.view(torch.uint8)[rows] = new_kv.view(torch.uint8)  # byte views: float8 lacks some indexing ops
+    got = qkv.clone()
+    rope_kv_write(got, positions, cache, q_norm, k_norm, 1e-6, pool, rows, heads, kv_heads, scales)
 
     def error(a: torch.Tensor, b: torch.Tensor) -> float:
         return float((a.float() - b.float()).norm() / b.float().norm())
@@ -313,7 +331,7 @@ def test_rope_kv_write_matches_the_torch_ops(tokens, layout, heads, kv_heads, no
     assert error(pool, expected) < 1e-2
     untouched = torch.ones(pool_rows, dtype=torch.bool)
     untouched[picked] = False
-    assert torch.equal(pool[untouched.cuda()], expected[untouched.cuda()])
+    assert torch.equal(pool.view(torch.uint8)[untouched.cuda()], expected.view(torch.uint8)[untouched.cuda()])
     assert torch.equal(got[:, heads * 128 :], qkv[:, heads * 128 :])  # K and V rows of qkv are left as they came
 
 
@@ -527,18 +545,19 @@ def test_programmatic_dependent_launch_changes_no_bit_of_decode(tmp_path, monkey
     assert alone() == with_pdl
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 8, 16])
 @pytest.mark.parametrize("shapes", [[(1, 2000)], [(1, 50), (1, 2000), (1, 1), (1, 17), (1, 300)]])
-def test_triton_decode_attention_matches_torch(shapes, kv_heads):
-    """Sequences of 1 to 2,000 tokens on scattered pages, query heads read from a strided qkv view, into
-    an output poisoned with NaN: every row must be written."""
+def test_triton_decode_attention_matches_torch(shapes, kv_heads, fp8):
+    """Sequences of 1 to 2,000 tokens on scattered pages (bf16, or FP8 with K and V scales), query heads
+    read from a strided qkv view, into an output poisoned with NaN: every row must be written."""
     from runtime.kernels.triton.decode_attention import decode_attention
 
     generator = torch.Generator().manual_seed(kv_heads)
     batch = paged_batch(shapes, generator)
     tokens = len(batch.positions)
     qkv = torch.randn(tokens, HEADS + 2 * kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
-    pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    pool = make_pool(kv_heads, fp8)
     pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
     reference = ATTENTION_BACKENDS["torch"](pool, HEADS)
     reference.prepare(batch.meta)
@@ -552,17 +571,19 @@ def test_triton_decode_attention_matches_torch(shapes, kv_heads):
         device(batch.meta.kv_lens),
         HEAD_DIM**-0.5,
         torch.full_like(qkv[:, :HEADS], float("nan")),
+        kv_scales=pool.scales[0],
     )
     error = (got.float() - want).norm() / want.norm()
-    print(f"triton decode vs torch attention, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
+    print(f"triton decode vs torch attention, fp8 pages {fp8}, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
     assert error < 1e-2
 
 
+@pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("heads, kv_heads, norms", [(16, 8, True), (32, 8, True), (32, 8, False)])
-def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
+def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms, fp8):
     """Given the raw qkv rows, the split-KV kernel norms and rotates q and writes each sequence's new K
-    and V itself: the same output and pool as runtime.kernels.triton.rope_kv's pass and then the plain kernel,
-    and the qkv rows left as they were."""
+    and V itself (into bf16 pages, or FP8 ones with scales): the same output and pool as
+    runtime.kernels.triton.rope_kv's pass and then the plain kernel, and the qkv rows left as they were."""
     from runtime.config import RopeConfig
     from runtime.kernels.rope import Rope
     from runtime.kernels.triton.decode_attention import decode_attention
@@ -575,10 +596,11 @@ def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
     qkv = torch.randn(tokens, heads + 2 * kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
     cache = rope_cos_sin_cache(4096, HEAD_DIM, RopeConfig(theta=1e6)).cuda()
     q_norm, k_norm = (torch.rand(2, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16) + 0.5) if norms else (None, None)
-    pool = KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    pool = make_pool(kv_heads, fp8)
     pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
     device = lambda a: torch.from_numpy(a).cuda()  # noqa: E731
     lists = (device(batch.meta.kv_indptr), device(batch.meta.kv_indices), device(batch.meta.kv_lens))
+    scales = pool.scales[0]
     untouched, two_pass_pool = qkv.clone(), pool.kv[0].clone()
 
     rotated = qkv.clone()
@@ -593,15 +615,18 @@ def test_triton_decode_attention_folds_in_the_rope_pass(heads, kv_heads, norms):
         batch.kv_rows,
         heads,
         kv_heads,
+        scales,
     )
-    want = decode_attention(rotated[:, :heads], two_pass_pool, *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]))
-    got = decode_attention(qkv, pool.kv[0], *lists, HEAD_DIM**-0.5, torch.empty_like(qkv[:, :heads]), Rope(cache, q_norm, k_norm, 1e-6))
+    out = lambda: torch.empty_like(qkv[:, :heads])  # noqa: E731
+    want = decode_attention(rotated[:, :heads], two_pass_pool, *lists, HEAD_DIM**-0.5, out(), kv_scales=scales)
+    got = decode_attention(qkv, pool.kv[0], *lists, HEAD_DIM**-0.5, out(), Rope(cache, q_norm, k_norm, 1e-6), scales)
     close(got, want, "output")
     rows, (got_rows, want_rows) = batch.kv_rows.flatten(), (kv.view(-1, kv_heads * HEAD_DIM) for kv in (pool.kv[0], two_pass_pool))
-    close(got_rows[rows], want_rows[rows], "the new K and V")
+    picked = lambda pool_rows: pool_rows.view(torch.uint8)[rows].view(pool_rows.dtype)  # noqa: E731
+    close(picked(got_rows), picked(want_rows), "the new K and V")
     others = torch.ones(len(got_rows), dtype=torch.bool, device="cuda")
     others[rows] = False
-    assert torch.equal(got_rows[others], want_rows[others])
+    assert torch.equal(got_rows.view(torch.uint8)[others], want_rows.view(torch.uint8)[others])
     assert torch.equal(qkv, untouched)
 
 
@@ -619,3 +644,53 @@ def test_decode_graphs_on_triton_attention_give_the_tokens_of_torch_attention(tm
     triton = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=32)
     assert len(chosen) == 5
     assert_same_greedy_tokens(reference, triton, "triton decode attention in CUDA graphs")
+
+
+def test_fp8_gemm_kernels_match_the_dequantized_weight():
+    """Every FP8 kernel start-up may choose (the Triton GEMM at each tile, flashinfer's block-scaled GEMM
+    where the shape allows) against F.linear over the dequantized weight: 128 x 128 blocks, partial
+    blocks, scales per row, a bias; one row to a prefill's worth."""
+    import torch.nn.functional as F
+    from torch import nn
+
+    from runtime.engine.gemm_tuner import _fp8_candidates
+    from runtime.models.fp8 import Fp8Linear, dequantize_blockwise
+
+    generator = torch.Generator().manual_seed(8)
+    for n, k, block, bias in [(4096, 4096, (128, 128), False), (200, 96, (128, 128), True), (1000, 1536, (1, 1536), False)]:
+        linear = nn.Linear(k, n, bias=bias).to("cuda", torch.bfloat16)
+        fp8 = Fp8Linear(linear, block)
+        weight = dequantize_blockwise(fp8.weight, fp8.weight_scale, block)
+        for rows in (1, 7, 64, 300):
+            x = torch.randn(rows, k, generator=generator).to("cuda", torch.bfloat16)
+            want = F.linear(x.float(), weight, None if linear.bias is None else linear.bias.float())
+            for name, kernel in _fp8_candidates(fp8, rows).items():
+                close(kernel(x, fp8), want, f"{name}, {n}x{k} in blocks {block}, {rows} rows")
+
+
+def test_fp8_checkpoint_on_cuda_gives_the_tokens_of_its_dequantized_weights(tmp_path):
+    """A block-quantized FP8 checkpoint runs its projections as Fp8Linear (one byte a weight, FP8 GEMMs
+    chosen at start-up) and gives the greedy tokens of the bf16 model of its dequantized weights."""
+    from runtime.models.fp8 import Fp8Linear
+    from tests.test_fp8 import quantize_checkpoint
+
+    source = build("qwen3", tmp_path / "source", head_dim=128, hidden_size=256, intermediate_size=384)
+    quantize_checkpoint(source, tmp_path / "fp8", tmp_path / "dequantized")
+    reference = greedy_run(tmp_path / "dequantized", attention_backend="flashinfer")
+    llm = LLM(tmp_path / "fp8", device="cuda", dtype="bfloat16", page_size=PAGE, num_pages=512, max_prefill_tokens=32)
+    assert sum(isinstance(module, Fp8Linear) for module in llm.engine.model.modules()) == 4 * llm.engine.model_config.num_layers
+    del llm
+    assert_same_greedy_tokens(reference, greedy_run(tmp_path / "fp8", attention_backend="flashinfer"), "FP8 GEMMs")
+
+
+def test_fp8_kv_cache_on_cuda_gives_the_tokens_of_torch_attention_over_it(tmp_path):
+    """FP8 pages written by the rope pass (or the split-KV kernel) and read by flashinfer's prefill and
+    decode and by the split-KV kernel, eager and in CUDA graphs, against torch attention dequantizing
+    the same pages."""
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    reference = greedy_run(model_dir, attention_backend="torch", kv_cache_dtype="fp8_e4m3")
+    no_graphs = {"cuda_graph_max_bs": 0, "cuda_graph_max_prefill_tokens": 0}
+    eager = greedy_run(model_dir, attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3", **no_graphs)
+    assert_same_greedy_tokens(reference, eager, "flashinfer over FP8 pages")
+    graphs = greedy_run(model_dir, attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3")
+    assert_same_greedy_tokens(reference, graphs, "FP8 pages in CUDA graphs")

@@ -1,5 +1,6 @@
 """flashinfer on CUDA: paged prefill and tensor-core decode, planned once per step on the host,
-and the fixed-buffer wrappers that CUDA graphs replay."""
+and the fixed-buffer wrappers that CUDA graphs replay. An FP8 pool's pages are read with bf16 (or
+fp16) queries, its layer's K and V scales given to each run."""
 
 from __future__ import annotations
 
@@ -120,7 +121,7 @@ class FlashInferAttention:
                 indices,
                 last_page_len,
                 *shape,
-                q_data_type=pool.dtype,
+                q_data_type=pool.compute_dtype,
                 kv_data_type=pool.dtype,
                 seq_lens=torch.from_numpy(meta.kv_lens),
             )
@@ -132,7 +133,7 @@ class FlashInferAttention:
                 last_page_len,
                 *shape,
                 causal=True,
-                q_data_type=pool.dtype,
+                q_data_type=pool.compute_dtype,
                 kv_data_type=pool.dtype,
             )
 
@@ -144,9 +145,15 @@ class FlashInferAttention:
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
         out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
+        scales = {}
+        if self.pool.quantized:  # ringllm's decode takes the pair, flashinfer's runs each by name
+            k_scale, v_scale = self.pool.scales[layer]
+            scales = (
+                {"kv_scales": (k_scale, v_scale)} if isinstance(self.active, TritonDecode) else {"k_scale": k_scale, "v_scale": v_scale}
+            )
         if rope is not None:
-            return self.active.run(q, self.pool.kv[layer], out=out, rope=rope)
-        return self.active.run(q, self.pool.kv[layer], out=out)
+            return self.active.run(q, self.pool.kv[layer], out=out, rope=rope, **scales)
+        return self.active.run(q, self.pool.kv[layer], out=out, **scales)
 
 
 class TritonDecode:
@@ -169,5 +176,5 @@ class TritonDecode:
         staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
         return self.staged[:used], self.buffer[:used]
 
-    def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None) -> Tensor:
-        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope)
+    def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> Tensor:
+        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope, kv_scales)

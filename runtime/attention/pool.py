@@ -49,15 +49,17 @@ class KVPool:
     def write(self, layer: int, kv: Tensor, batch: ForwardBatch) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens (on CUDA rope_kv writes them instead)."""
         kv = kv.flatten(2)
-        if self.quantized:
+        if self.quantized:  # float8 is written as bytes: not every device's indexing kernels take it
             kv = (kv.float() / self._divisors[layer]).clamp(-FP8_MAX, FP8_MAX).to(self.dtype)
-        self.rows(layer)[batch.kv_rows] = kv
+            self.rows(layer).view(torch.uint8)[batch.kv_rows] = kv.view(torch.uint8)
+        else:
+            self.rows(layer)[batch.kv_rows] = kv
 
     def gather(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([P] page numbers), each [P, slot, kv heads, dim] in the compute dtype."""
         pool = self.kv[layer]
-        keys, values = pool.select(1, 0).index_select(0, pages), pool.select(1, 1).index_select(0, pages)
         if not self.quantized:
-            return keys, values
+            return pool.select(1, 0).index_select(0, pages), pool.select(1, 1).index_select(0, pages)
+        pages_of = lambda part: pool.view(torch.uint8).select(1, part).index_select(0, pages).view(self.dtype)  # noqa: E731
         k_scale, v_scale = self.scales[layer]
-        return keys.to(self.compute_dtype).mul_(k_scale), values.to(self.compute_dtype).mul_(v_scale)
+        return pages_of(0).to(self.compute_dtype).mul_(k_scale), pages_of(1).to(self.compute_dtype).mul_(v_scale)

@@ -22,7 +22,7 @@ from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
-from runtime.engine.gemm_tuner import use_few_row_gemms, use_one_row_fusion
+from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.cpu_linears import default_dtype
 from runtime.models.fp8 import kv_scales
@@ -148,6 +148,7 @@ class Engine:
         self.slots: dict[int, SlotState] = {}
         self._unread: deque[PendingStep] = deque()
         self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
+        fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
         graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
         if graphs and config.cuda_graph_max_bs:
             max_bs = min(config.cuda_graph_max_bs, slots)
@@ -176,6 +177,7 @@ class Engine:
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             cuda_graphs=self.graphs.sizes if self.graphs else None,
             few_row_kernels=few_row_gemms,
+            fp8_kernels=fp8_gemms,
             one_row_fused=one_row_fused,
             decode_attention=self.graphs.attention_kernels if self.graphs else None,
             prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,

@@ -12,6 +12,11 @@ such pair is timed fused against the pair as chosen above, over all layers, and 
 won. Last, the summed stream (every pair fused, the residual adds moved into o_proj's and
 down_proj's epilogues, no norm kernel left) is timed against those choices: it trades a step's norm
 kernels for the norm weights' loads inside the GEMVs, which pays on some models and not on others.
+
+FP8 projections (runtime.models.fp8.Fp8Linear) are timed likewise, at each power of two of rows up
+to 512: the Triton W8A16 GEMM at each of its tiles, and flashinfer's block-scaled FP8 GEMM (DeepGEMM
+on Hopper, activations quantized per 128 columns) where the weight's blocks are 128 x 128. A kernel
+whose output strays from the Triton GEMM's is not a candidate.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from torch import nn
 
 from runtime.engine import cuda_graph
 from runtime.models.decoder import MLP, DecoderLayer, OneRowFusion
+from runtime.models.fp8 import Fp8Kernel, Fp8Linear
 from runtime.models.layers import linear_slots
 
 log = structlog.get_logger()
@@ -156,7 +162,8 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
     epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
-    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) for layer in layers):  # dense MLPs only
+    dense = layers and all(isinstance(layer.mlp, MLP) for layer in layers) and isinstance(layers[0].mlp.down_proj, nn.Linear)
+    if gemv_kernel is None or not dense:  # dense MLPs in the model's dtype only (an Fp8Linear has kernels of its own)
         return {}
     first = layers[0]
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
@@ -240,3 +247,72 @@ def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, h: torc
     residual = None
     for layer in layers:
         h, residual = layer.forward_with(h, residual, lambda qkv: attended, fusion)
+
+
+FP8_ROW_BUCKETS = tuple(1 << i for i in range(10))  # Fp8Linear.forward's keys: 1, 2, .., 512
+FP8_AGREEMENT = 2e-2  # relative error between a candidate's output and the Triton GEMM's
+
+
+def _flashinfer_block_scaled(linear: Fp8Linear) -> Fp8Kernel | None:
+    """flashinfer's SM90 block-scaled GEMM, where it applies: 128 x 128 blocks, K % 128, N % 64, no bias."""
+    shape_fits = linear.block == (128, 128) and linear.in_features % 128 == 0 and linear.out_features % 64 == 0
+    if not shape_fits or linear.bias is not None or torch.cuda.get_device_capability(linear.weight.device)[0] != 9:
+        return None
+    try:
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+    except ImportError:
+        return None
+    return lambda x, layer: fp8_blockscale_gemm_sm90(x, layer.weight, None, layer.weight_scale)
+
+
+def _fp8_candidates(linear: Fp8Linear, rows: int) -> dict[str, Fp8Kernel]:
+    from runtime.kernels.triton.fp8_gemm import FEW_ROW_TILES, MANY_ROW_TILES
+
+    found: dict[str, Fp8Kernel] = {
+        "triton{}x{}x{}".format(*tiles[:3]): lambda x, layer, tiles=tiles: layer.triton(x, tiles)
+        for tiles in (FEW_ROW_TILES if rows <= 16 else MANY_ROW_TILES)
+        if linear.block[1] >= linear.in_features or linear.block[1] % tiles.block_k == 0
+    }
+    if (block_scaled := _flashinfer_block_scaled(linear)) is not None:
+        found["flashinfer"] = block_scaled
+    return found
+
+
+def _agreeing(candidates: dict[str, Fp8Kernel], linear: Fp8Linear, x: torch.Tensor) -> dict[str, Fp8Kernel]:
+    """The candidates that run here and give the Triton GEMM's output (a library kernel that fails to
+    build, or reads the scales in another layout, drops out)."""
+    reference = linear.triton(x).float()
+    kept = {}
+    for name, kernel in candidates.items():
+        try:
+            error = float((kernel(x, linear).float() - reference).norm() / reference.norm().clamp(min=1e-12))
+        except (RuntimeError, ValueError) as exc:
+            log.warning("fp8_kernel_unusable", kernel=name, shape=f"{linear.out_features}x{linear.in_features}", error=str(exc)[:200])
+            continue
+        if error < FP8_AGREEMENT:
+            kept[name] = kernel
+        else:
+            log.warning("fp8_kernel_disagrees", kernel=name, shape=f"{linear.out_features}x{linear.in_features}", error=error)
+    return kept
+
+
+@torch.inference_mode()
+def use_fp8_gemms(model: nn.Module, dtype: torch.dtype) -> dict[str, dict[int, str]]:
+    """Give every Fp8Linear the fastest kernel at each row bucket; returns {"out x in": {rows: kernel}}."""
+    by_shape: dict[tuple[int, int, tuple[int, int]], list[Fp8Linear]] = defaultdict(list)
+    for module in model.modules():
+        if isinstance(module, Fp8Linear):
+            by_shape[(module.out_features, module.in_features, module.block)].append(module)
+    chosen: dict[str, dict[int, str]] = {}
+    for (n, k, _), members in by_shape.items():
+        first = members[0]
+        for rows in FP8_ROW_BUCKETS:
+            x = torch.randn(rows, k, dtype=dtype, device=first.weight.device)
+            candidates = _agreeing(_fp8_candidates(first, rows), first, x)
+            run_all = lambda kernel, x=x, members=members: [kernel(x, linear) for linear in members]  # noqa: E731
+            times = cuda_graph.time_captured({name: functools.partial(run_all, kernel) for name, kernel in candidates.items()})
+            name = _fastest(times)
+            for linear in members:
+                linear.kernels[rows] = candidates[name]
+            chosen.setdefault(f"{n}x{k}", {})[rows] = name
+    return chosen

@@ -59,7 +59,16 @@ class Attention(nn.Module):
             )
         if self.ops.rope_kv_write is not None:
             self.ops.rope_kv_write(
-                qkv, positions, rope_tables, *norms, self.eps, backend.pool.rows(self.layer), batch.kv_rows, self.heads, self.kv_heads
+                qkv,
+                positions,
+                rope_tables,
+                *norms,
+                self.eps,
+                backend.pool.rows(self.layer),
+                batch.kv_rows,
+                self.heads,
+                self.kv_heads,
+                backend.pool.scales[self.layer],
             )
         else:
             if self.qk_norm:  # per-head norms, written back for the in-place rotation

@@ -17,7 +17,7 @@ from runtime.config import Fp8Config, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.models.cpu_linears import prepack_linears
 from runtime.models.decoder import STACKED
-from runtime.models.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_per_channel, scale_name
+from runtime.models.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_per_channel, scale_name, use_fp8_linears
 from runtime.models.layers import select_fused_ops
 from runtime.models.moe import EXPERT_PARTS, Experts
 from runtime.models.registry import MODELS
@@ -59,7 +59,10 @@ def build_model(
         _random_weights(model)
     else:
         _load_safetensors(model, model_dir, lambda name, source: read_shard(name, source, cfg, tp), cfg.fp8)
-    if quantization == "fp8" and cfg.fp8 is None:
+    if device.type == "cuda" and (cfg.fp8 is not None or quantization == "fp8"):  # one byte a weight, FP8 GEMMs
+        log.info("fp8_linears", projections=use_fp8_linears(model, cfg.fp8.weight_block if cfg.fp8 else None))
+        torch.cuda.empty_cache()  # the bf16 weights' memory goes back to the device, for the KV pool
+    elif quantization == "fp8" and cfg.fp8 is None:
         log.info("fp8_weights", projections=quantize_per_channel(model))
     model.make_rope_cache(device, dtype)
     if device.type == "cpu":

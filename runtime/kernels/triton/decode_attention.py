@@ -1,5 +1,6 @@
 """Split-KV decode attention for a few sequences, whose few KV heads leave the chip idle unsplit: slices of
-each sequence, then a log-sum-exp merge. Slices follow lengths on the device, so graphs replay at any length."""
+each sequence, then a log-sum-exp merge. Slices follow lengths on the device, so graphs replay at any length.
+An FP8 pool's pages are read as K·k_scale and V·v_scale (the scales folded into the scores and the output)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import triton.language as tl
 
 from runtime.kernels.rope import Rope
 from runtime.kernels.triton import pdl
+from runtime.kernels.triton.rope_kv import stored
 
 PROGRAMS = 512  # the split count aims at this many programs a step
 MAX_SPLITS = 32
@@ -46,6 +48,8 @@ def _split_kernel(
     part_out_ptr,
     part_lse_ptr,
     scale,
+    k_scale,
+    v_scale,
     cos_sin_ptr,
     q_norm_ptr,
     k_norm_ptr,
@@ -60,6 +64,7 @@ def _split_kernel(
     LINE: tl.constexpr,
     ROPE: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     seq, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -94,8 +99,9 @@ def _split_kernel(
             new = pos + tl.arange(0, 1)
             k = _normed_rotated(row + HEADS * DIM, kv_head + tl.arange(0, 1), new >= 0, d, cos, signed_sin, k_norm_ptr, eps, DIM, NORM)
             at = pool_ptr + _k_rows(kv_indices_ptr, first_page, new, new >= 0, kv_head, PAGE, KV_HEADS, DIM)[:, None] + d[None, :]
-            tl.store(at, k.to(pool_ptr.dtype.element_ty))
-            tl.store(at + v_offset, tl.load(row + (HEADS + KV_HEADS + kv_head) * DIM + d)[None, :])
+            k = k.to(q_ptr.dtype.element_ty)  # rounded as the rope pass's output is
+            tl.store(at, stored(k, 1.0 / k_scale, pool_ptr, QUANT))
+            tl.store(at + v_offset, stored(tl.load(row + (HEADS + KV_HEADS + kv_head) * DIM + d)[None, :], 1.0 / v_scale, pool_ptr, QUANT))
             tl.debug_barrier()  # the block loop below reads these rows back
     else:
         q = tl.load(row + heads[:, None] * DIM + d[None, :], mask=live_g[:, None], other=0.0)
@@ -106,9 +112,9 @@ def _split_kernel(
         t = block + t0
         live_t = t < end
         k_row = _k_rows(kv_indices_ptr, first_page, t, live_t, kv_head, PAGE, KV_HEADS, DIM)
-        k = tl.load(pool_ptr + k_row[:, None] + d[None, :], mask=live_t[:, None], other=0.0)
-        v = tl.load(pool_ptr + k_row[:, None] + v_offset + d[None, :], mask=live_t[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * scale
+        k = tl.load(pool_ptr + k_row[:, None] + d[None, :], mask=live_t[:, None], other=0.0).to(q.dtype)
+        v = tl.load(pool_ptr + k_row[:, None] + v_offset + d[None, :], mask=live_t[:, None], other=0.0).to(q.dtype)
+        s = tl.dot(q, tl.trans(k)) * (scale * k_scale)
         s = tl.where(live_t[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         p = tl.exp(s - m_new[:, None])
@@ -117,7 +123,7 @@ def _split_kernel(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
     some = l_i > 0  # a slice past the sequence's end holds nothing: weight zero in the merge
-    out = tl.where(some[:, None], acc / tl.where(some, l_i, 1.0)[:, None], 0.0)
+    out = tl.where(some[:, None], acc / tl.where(some, l_i, 1.0)[:, None] * v_scale, 0.0)
     lse = tl.where(some, m_i + tl.log(tl.where(some, l_i, 1.0)), float("-inf"))
     at = (seq * HEADS + heads) * SPLITS + split
     tl.store(part_out_ptr + at[:, None] * DIM + d[None, :], out, mask=live_g[:, None])
@@ -149,8 +155,10 @@ def decode_attention(
     scale: float,
     out: torch.Tensor,
     rope: Rope | None = None,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> torch.Tensor:
-    """Writes and returns `out` [B, heads, dim]. With `rope`, q is the raw qkv and rope_kv's work is done here."""
+    """Writes and returns `out` [B, heads, dim]. With `rope`, q is the raw qkv and rope_kv's work is done
+    here. An FP8 pool holds K / kv_scales[0] and V / kv_scales[1]."""
     batch, _, dim = q.shape
     _, _, page, kv_heads, _ = pool.shape
     heads = q.shape[1] - 2 * kv_heads if rope is not None else q.shape[1]
@@ -169,6 +177,7 @@ def decode_attention(
         part_out,
         part_lse,
         scale,
+        *kv_scales,
         rope.cos_sin if rope is not None else part_out,
         rope.q_norm if norm else part_out,
         rope.k_norm if norm else part_out,
@@ -183,6 +192,7 @@ def decode_attention(
         LINE=min(dim, 128 // pool.element_size()),
         ROPE=rope is not None,
         NORM=norm,
+        QUANT=pool.dtype == torch.float8_e4m3fn,
         num_warps=4,
         **pdl.launch(q.device),
     )

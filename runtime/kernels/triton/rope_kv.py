@@ -1,5 +1,6 @@
 """Rope, Qwen3's q/k norms and the KV write as one Triton pass over a step's qkv rows: q rotates in
-place, K and V go straight to the pool. One program per token and part (q heads; K and V heads)."""
+place, K and V go straight to the pool (an FP8 pool gets each divided by its layer's scale). One
+program per token and part (q heads; K and V heads)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,14 @@ def _normed_rotated(at, half_cols, live, cos, sin, norm_ptr, eps, HALF: tl.const
 
 
 @triton.jit
+def stored(x, inverse_scale, dst, QUANT: tl.constexpr):
+    """x as the pool stores it: divided by the scale and saturated to float8's range where QUANT."""
+    if QUANT:
+        return tl.clamp(x.to(tl.float32) * inverse_scale, -448.0, 448.0).to(dst.dtype.element_ty)
+    return x.to(dst.dtype.element_ty)
+
+
+@triton.jit
 def _rotate_q(row, cols, cos, sin, norm_ptr, eps, HEADS: tl.constexpr, HALF: tl.constexpr, BLOCK: tl.constexpr, NORM: tl.constexpr):
     heads = tl.arange(0, BLOCK)
     live = (heads < HEADS)[:, None] & (cols < HALF)[None, :]
@@ -43,22 +52,26 @@ def _write_kv(
     eps,
     k_dst,
     v_dst,
+    k_inverse,
+    v_inverse,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
     BLOCK: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
 ):
     heads = tl.arange(0, BLOCK)
     live = (heads < KV_HEADS)[:, None] & (cols < HALF)[None, :]
     at = row + (HEADS + heads)[:, None] * (2 * HALF) + cols[None, :]
     o1, o2 = _normed_rotated(at, cols, live, cos, sin, norm_ptr, eps, HALF, NORM)
+    o1, o2 = o1.to(row.dtype.element_ty), o2.to(row.dtype.element_ty)  # rounded as the unfused rope's output is
     in_row = heads[:, None] * (2 * HALF) + cols[None, :]
-    tl.store(k_dst + in_row, o1.to(row.dtype.element_ty), mask=live)
-    tl.store(k_dst + in_row + HALF, o2.to(row.dtype.element_ty), mask=live)
+    tl.store(k_dst + in_row, stored(o1, k_inverse, k_dst, QUANT), mask=live)
+    tl.store(k_dst + in_row + HALF, stored(o2, k_inverse, k_dst, QUANT), mask=live)
     v_src = at + KV_HEADS * (2 * HALF)
-    tl.store(v_dst + in_row, tl.load(v_src, mask=live), mask=live)
-    tl.store(v_dst + in_row + HALF, tl.load(v_src + HALF, mask=live), mask=live)
+    tl.store(v_dst + in_row, stored(tl.load(v_src, mask=live), v_inverse, v_dst, QUANT), mask=live)
+    tl.store(v_dst + in_row + HALF, stored(tl.load(v_src + HALF, mask=live), v_inverse, v_dst, QUANT), mask=live)
 
 
 @triton.jit
@@ -74,6 +87,8 @@ def _rope_kv_kernel(
     rows_part_stride,
     pool_ptr,
     eps,
+    k_inverse,
+    v_inverse,
     HEADS: tl.constexpr,
     KV_HEADS: tl.constexpr,
     HALF: tl.constexpr,
@@ -81,6 +96,7 @@ def _rope_kv_kernel(
     KV_BLOCK: tl.constexpr,
     HALF_BLOCK: tl.constexpr,
     NORM: tl.constexpr,
+    QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     pdl.wait_for_previous_kernel(PDL, True)
@@ -96,7 +112,7 @@ def _rope_kv_kernel(
         rows = rows_ptr + token * rows_token_stride
         k_dst = pool_ptr + tl.load(rows) * (KV_HEADS * 2 * HALF)
         v_dst = pool_ptr + tl.load(rows + rows_part_stride) * (KV_HEADS * 2 * HALF)
-        _write_kv(row, cols, cos, sin, k_norm_ptr, eps, k_dst, v_dst, HEADS, KV_HEADS, HALF, KV_BLOCK, NORM)
+        _write_kv(row, cols, cos, sin, k_norm_ptr, eps, k_dst, v_dst, k_inverse, v_inverse, HEADS, KV_HEADS, HALF, KV_BLOCK, NORM, QUANT)
 
 
 def rope_kv_write(
@@ -110,8 +126,10 @@ def rope_kv_write(
     rows: torch.Tensor,
     heads: int,
     kv_heads: int,
+    kv_scales: tuple[float, float] = (1.0, 1.0),
 ) -> None:
-    """qkv [T, (heads + 2 kv heads) · dim]; rows [T, 2]: each token's K and V row in pool_rows."""
+    """qkv [T, (heads + 2 kv heads) · dim]; rows [T, 2]: each token's K and V row in pool_rows; an
+    FP8 pool stores K / kv_scales[0] and V / kv_scales[1]."""
     tokens, dim = qkv.shape[0], cos_sin.shape[1]
     if tokens == 0:
         return
@@ -129,6 +147,8 @@ def rope_kv_write(
         rows.stride(1),
         pool_rows,
         eps,
+        1.0 / kv_scales[0],
+        1.0 / kv_scales[1],
         HEADS=heads,
         KV_HEADS=kv_heads,
         HALF=dim // 2,
@@ -136,6 +156,7 @@ def rope_kv_write(
         KV_BLOCK=triton.next_power_of_2(kv_heads),
         HALF_BLOCK=triton.next_power_of_2(dim // 2),
         NORM=norm,
+        QUANT=pool_rows.dtype == torch.float8_e4m3fn,
         num_warps=4,
         **pdl.launch(qkv.device),
     )
