@@ -103,8 +103,9 @@ class Fp8Linear(nn.Module):
         self.kernels: dict[int, Fp8Kernel] = {}
         self._gemm, self._tiles = fp8_gemm, default_tiles
 
-    def triton(self, x: torch.Tensor, tiles=None) -> torch.Tensor:
-        return self._gemm(x, self.weight, self.weight_scale, self.block, self.bias, tiles or self._tiles(x.shape[0]))
+    def triton(self, x: torch.Tensor, tiles=None, fp8_activations: bool = False) -> torch.Tensor:
+        """The Triton GEMM (W8A16 unless fp8_activations) at `tiles`, else its default for x's rows."""
+        return self._gemm(x, self.weight, self.weight_scale, self.block, self.bias, tiles or self._tiles(x.shape[0]), fp8_activations)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         kernel = self.kernels.get(min(512, 1 << (x.shape[0] - 1).bit_length()))
