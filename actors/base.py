@@ -1,10 +1,15 @@
 """The actor base: one pipeline stage per OS process, running on asyncio (uvloop).
 
 An actor is forked by the supervisor's forkserver (torch and transformers already imported
-there, so a start or a restart skips those imports). It attaches to its rings, runs
-`setup`, reports ready, then runs `run` beside a tick that writes its heartbeat, follows the
-epoch and watches for a stop request. Every frame it reads goes through `admit`, the one epoch
-filter: frames of an older epoch are dropped, and a newer epoch resets soft state first.
+there, so a start or a restart skips those imports). It runs `setup`, attaches to its rings,
+reports ready, then runs `run` beside a tick that writes its heartbeat, follows the epoch and
+watches for a stop request. Every frame it reads goes through `admit`, the one epoch filter:
+frames of an older epoch are dropped, and a newer epoch resets soft state first.
+
+A warm spare (ActorSpec.spare) runs `setup` and then sleeps, touching neither its row of the control
+block nor its rings, until the supervisor promotes it in place of the actor that died: it then takes
+up the row, the rings (at the first frame not yet consumed) and the current epoch, and goes on as a
+fresh start would.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from multiprocessing.synchronize import Event
 from typing import Any
 
 import structlog
@@ -48,6 +54,15 @@ class ActorContext:
     supervisor_pid: int
     heartbeat_s: float
     rendezvous: str | None = None  # a group member's meeting file (ActorSpec.group)
+    standby: Standby | None = None  # a warm spare's: set up, then wait to be promoted
+
+
+@dataclass(frozen=True)
+class Standby:
+    """A warm spare's two signals: `ready` (set by the spare once set up) and `promoted` (set by the supervisor)."""
+
+    ready: Event
+    promoted: Event
 
 
 class Actor:
@@ -62,9 +77,10 @@ class Actor:
         self.control = ControlBlock.attach(ctx.server)
         self.slot = self.control.slots[ctx.index]  # a view: writes land in shared memory
         self.epoch = self.control.epoch
-        self.inputs = {peer: RingReader(handle) for peer, handle in ctx.inputs.items()}
-        self.outputs = {peer: RingWriter(handle) for peer, handle in ctx.outputs.items()}
-        self._peers, self._readers = list(self.inputs), list(self.inputs.values())
+        self.inputs: dict[str, RingReader] = {}
+        self.outputs: dict[str, RingWriter] = {}
+        self._peers: list[str] = []
+        self._readers: list[RingReader] = []
         self._yielded = time.monotonic()
         self._parent = os.getppid()  # the supervisor's forkserver: it exits when the supervisor does
 
@@ -148,10 +164,26 @@ class Actor:
                 return
             await self.ctx.doorbell.sleep_async(self.ctx.heartbeat_s)
 
+    def _attach_rings(self) -> None:
+        """Each ring end resumes where the last one left it: a reader at the first unconsumed frame."""
+        self.inputs = {peer: RingReader(handle) for peer, handle in self.ctx.inputs.items()}
+        self.outputs = {peer: RingWriter(handle) for peer, handle in self.ctx.outputs.items()}
+        self._peers, self._readers = list(self.inputs), list(self.inputs.values())
+
     async def serve(self) -> None:
-        self.slot["epoch"] = self.epoch
+        standby = self.ctx.standby
+        if standby is None:
+            self.slot["epoch"] = self.epoch
         bind_process(epoch=self.epoch)
         await self.setup()
+        if standby is not None:  # sleep until promoted (a spare no longer needed is killed)
+            standby.ready.set()
+            log.info("standing_by")
+            standby.promoted.wait()
+        self._attach_rings()
+        if standby is not None:  # the soft state built so far belongs to no epoch yet
+            self._enter_epoch(self.control.epoch)
+            log.info("promoted")
         frozen = freeze_startup_heap()
         log_long_pauses()
         self._beat()

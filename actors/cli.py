@@ -104,6 +104,7 @@ def serve(args: argparse.Namespace) -> int:
             stats_interval=args.stats_interval,
             data_parallel_size=args.data_parallel_size,
             dp_policy=args.dp_policy,
+            warm_spares=args.warm_spares,
         )
         if engine.tensor_parallel_size > 1 or config.data_parallel_size > 1:  # torch only for a split or replicas
             from runtime.config import ModelConfig
@@ -254,6 +255,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s, help=HELP["hang-timeout"])
     s.add_argument("--watchdog-timeout", type=float, default=ServeConfig.watchdog_timeout, help=HELP["watchdog-timeout"])
     s.add_argument("--stats-interval", type=float, default=ServeConfig.stats_interval, help=HELP["stats-interval"])
+    s.add_argument(
+        "--warm-spares",
+        action=argparse.BooleanOptionalAction,
+        default=ServeConfig.warm_spares,
+        help="keep a set-up tokenizer and detokenizer asleep, to replace one that dies in a fraction of a second (default: on)",
+    )
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])
 

@@ -31,6 +31,7 @@ class ServeConfig:
     stats_interval: float = 10.0  # seconds between a scheduler's stats lines, and an MoE engine's expert-load reports
     data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
     dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
+    warm_spares: bool = True  # a ready tokenizer and detokenizer wait, idle, to replace one that dies
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -88,11 +89,12 @@ def pipeline(config: ServeConfig) -> Topology:
             Edge(scheduler, "detokenizer"),
         ]
     edges += [Edge("detokenizer", name) for name in workers]
+    text_actor = {"preload": TOKENIZER_MODULES, "spare": config.warm_spares}  # slow to load a tokenizer, soft state
     actors = (
-        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, preload=TOKENIZER_MODULES),
+        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, **text_actor),
         *(ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}) for r, name in enumerate(schedulers)),
         *engines,
-        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, preload=TOKENIZER_MODULES),
+        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, **text_actor),
         *(
             ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
             for i, name in enumerate(workers)

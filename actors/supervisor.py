@@ -3,7 +3,9 @@
 It is not on the data path. Its loop sleeps on the process sentinels and a signal wake-up pipe,
 and every `check_interval_s` looks at heartbeats. A dead or hung actor is restarted under a new
 epoch: the supervisor bumps the epoch in the control block and rings every other actor's
-doorbell, so peers drop frames of the old epoch and free their soft state.
+doorbell, so peers drop frames of the old epoch and free their soft state. Where the actor has a
+warm spare that is ready, the spare is promoted into its place instead of a cold start, and a new
+spare starts SPARE_DELAY_S later, once the promoted one has the pipeline moving again.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from multiprocessing.connection import wait as wait_any
 
 import structlog
 
-from actors.base import ActorContext, actor_main
+from actors.base import ActorContext, Standby, actor_main
 from actors.control import ActorState, ControlBlock, pid_alive
 from actors.gauges import PROGRESS_GAUGE
 from actors.topology import Topology
@@ -30,6 +32,13 @@ from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_se
 from transport.wakeup import Doorbell
 
 log = structlog.get_logger()
+SPARE_DELAY_S = 1.0  # after a promotion, before the next spare's start competes for the cores
+
+
+@dataclass(frozen=True)
+class Spare:
+    proc: mp.process.BaseProcess
+    standby: Standby
 
 
 @dataclass(frozen=True)
@@ -61,6 +70,8 @@ class Supervisor:
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
+        self._spares: dict[int, Spare] = {}  # actor index -> its warm spare
+        self._spare_at: dict[int, float] = {}  # actor index -> when its next spare starts
         # how often each group (ActorSpec.group) has been started: names its rendezvous
         self._group_starts = {actor.group: 1 for actor in topology.actors if actor.group is not None}
         self._stopping = False
@@ -123,6 +134,9 @@ class Supervisor:
         for index in range(len(self.topology.actors)):
             self._start_actor(index)
         self._await_ready()
+        for index, spec in enumerate(self.topology.actors):  # after the start, which they would slow down
+            if spec.spare:
+                self._start_spare(index)
         log.info("topology_ready", server=self.topology.server, actors=len(self._procs))
 
     def _sweep_stale(self) -> None:
@@ -156,9 +170,12 @@ class Supervisor:
         """Until a stop is requested: restart whatever dies or hangs."""
         while not self._stopping:
             sentinels = {proc.sentinel: index for index, proc in self._procs.items()}
-            for fired in wait_any([*sentinels, self._wake_r], timeout=self.config.check_interval_s):
+            spares = {spare.proc.sentinel: index for index, spare in self._spares.items()}
+            for fired in wait_any([*sentinels, *spares, self._wake_r], timeout=self.config.check_interval_s):
                 if fired in sentinels:
                     self._on_exit(sentinels[fired])
+                elif fired in spares:
+                    self._on_spare_exit(spares[fired])
             self._drain_wakeups()
             if self._stopping or self._drained():
                 break
@@ -169,6 +186,10 @@ class Supervisor:
                 if due <= now:
                     del self._restart_at[index]
                     self._start_actor(index)
+            for index, due in list(self._spare_at.items()):
+                if due <= now:
+                    del self._spare_at[index]
+                    self._start_spare(index)
 
     def stop(self) -> None:
         """Ask every actor to stop, kill stragglers, then unlink every segment."""
@@ -178,6 +199,11 @@ class Supervisor:
         for index in self._procs:
             self.control.slots[index]["stop"] = 1
             self._doorbells[index].ring()
+        for spare in self._spares.values():  # set up, never promoted: nothing of theirs to finish
+            spare.proc.kill()
+            spare.proc.join()
+            spare.proc.close()
+        self._spares.clear()
         deadline = time.monotonic() + self.config.stop_timeout_s
         for index, proc in self._procs.items():
             proc.join(max(0.0, deadline - time.monotonic()))
@@ -205,10 +231,8 @@ class Supervisor:
     def _name(self, index: int) -> str:
         return self.topology.actors[index].name
 
-    def _start_actor(self, index: int) -> None:
+    def _spawn(self, index: int, standby: Standby | None = None) -> mp.process.BaseProcess:
         spec = self.topology.actors[index]
-        slot = self.control.slots[index]
-        slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
         ctx = ActorContext(
             spec=spec,
             server=self.topology.server,
@@ -219,13 +243,52 @@ class Supervisor:
             supervisor_pid=os.getpid(),
             heartbeat_s=self.config.heartbeat_s,
             rendezvous=None if spec.group is None else str(SHM_DIR / self._rendezvous(spec.group)),
+            standby=standby,
         )
         proc = self._forkserver.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
         proc.start()
+        return proc
+
+    def _take_slot(self, index: int, proc: mp.process.BaseProcess) -> None:
+        """`proc` is now the actor at `index`: its row starts afresh under the current epoch."""
+        slot = self.control.slots[index]
+        slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
         slot["pid"] = proc.pid
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()
+
+    def _start_actor(self, index: int) -> None:
+        spec = self.topology.actors[index]
+        self._take_slot(index, proc := self._spawn(index))
         log.info("actor_started", child=spec.name, kind=spec.kind, pid=proc.pid, epoch=self.control.epoch)
+
+    def _start_spare(self, index: int) -> None:
+        standby = Standby(self._forkserver.Event(), self._forkserver.Event())
+        proc = self._spawn(index, standby)
+        self._spares[index] = Spare(proc, standby)
+        log.info("spare_started", child=self._name(index), pid=proc.pid)
+
+    def _promote_spare(self, index: int) -> bool:
+        """Put the actor's spare in its place, if one is set up; the next spare starts later."""
+        spare = self._spares.get(index)
+        if spare is None or not spare.standby.ready.is_set() or not spare.proc.is_alive():
+            return False
+        del self._spares[index]
+        self._take_slot(index, spare.proc)
+        spare.standby.promoted.set()
+        self._spare_at[index] = time.monotonic() + SPARE_DELAY_S
+        log.info("spare_promoted", child=self._name(index), pid=spare.proc.pid, epoch=self.control.epoch)
+        return True
+
+    def _on_spare_exit(self, index: int) -> None:
+        """A spare died before it was needed: another starts, later each time it happens again."""
+        spare = self._spares.pop(index)
+        spare.proc.join()
+        delay = self._backoff.get(-index - 1, SPARE_DELAY_S)  # negative keys: the spares' own backoff
+        self._backoff[-index - 1] = min(self.config.max_backoff_s, 2 * delay)
+        self._spare_at[index] = time.monotonic() + delay
+        log.warning("spare_exited", child=self._name(index), exitcode=spare.proc.exitcode, restart_in_s=delay)
+        spare.proc.close()
 
     def _on_exit(self, index: int) -> None:
         proc = self._procs.pop(index)
@@ -242,7 +305,8 @@ class Supervisor:
         delay = 0.0 if was_ready else self._backoff.get(index, 0.25)
         self._backoff[index] = 0.25 if was_ready else min(self.config.max_backoff_s, delay * 2)
         if group is None:
-            self._restart_at[index] = time.monotonic() + delay
+            if not self._promote_spare(index):
+                self._restart_at[index] = time.monotonic() + delay
             return
         if live := [m for m in members if m in self._procs]:
             for member in live:  # each exit comes back here; the last one restarts the group

@@ -25,6 +25,9 @@ class ActorSpec:
     # actors that live and die together (a tensor-parallel group: a collective cannot lose a member): one's
     # exit or hang restarts them all, and each start of the group meets at a fresh rendezvous file
     group: str | None = None
+    # a warm spare: a second process of this actor that has run its setup and sleeps until the supervisor
+    # promotes it in place of one that died or hung (actors whose start-up is slow and state soft)
+    spare: bool = False
 
     def load_class(self) -> type:
         module, _, attr = self.entry.partition(":")

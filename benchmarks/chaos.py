@@ -5,7 +5,8 @@ sampling) and records every stream's text and token ids. Then, for each chosen a
 repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments, and compares
 every stream with the reference. The last line printed is one JSON object:
 
-    requests, completed, mismatched, lost, kills{kind: n}, recovery_ms_p50, recovery_ms_max,
+    requests, completed, mismatched, lost, kills{kind: n}, promoted{kind: kills answered by a warm spare},
+    recovery_ms_p50, recovery_ms_max,
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
     leaked_segments, orphans
 
@@ -36,7 +37,7 @@ import orjson
 import psutil
 
 from actors.control import ControlBlock
-from benchmarks.server import free_port, sse_events, start_server, wait_healthy
+from benchmarks.server import ServerExited, free_port, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
@@ -74,12 +75,17 @@ def _bodies(count: int, max_tokens: int, model: str = "chaos") -> list[dict]:
 
 class Server:
     def __init__(self, model: str, port: int, log: Path, extra: list[str]) -> None:
-        self.port, self.base_url = port, f"http://127.0.0.1:{port}"
+        self.port, self.base_url, self.log = port, f"http://127.0.0.1:{port}", log
         with open(log, "wb") as out:
             self.proc = start_server(
                 ["--model", model, "--served-model-name", "chaos", "--port", str(port), *extra], stdout=out, stderr=subprocess.STDOUT
             )
         self.descendants: set[int] = set()
+
+    def last_errors(self, lines: int = 5) -> str:
+        """The last error lines of the server's log (all of its tail where none is marked an error)."""
+        tail = self.log.read_text(errors="replace").splitlines()[-200:]
+        return "\n".join(([line for line in tail if "error" in line.lower()] or tail)[-lines:])
 
     def actors(self) -> dict[str, list[int]]:
         """Live pids by actor kind, from the control block."""
@@ -159,9 +165,10 @@ async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[S
 
 async def _chaos_round(
     server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int, sig: signal.Signals, rng: random.Random
-) -> tuple[list[Stream], list[tuple[float, float]]]:
+) -> tuple[list[Stream], list[tuple[float, float]], int]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
-    happened and when the supervisor had noticed it (the epoch moved on). Each kill comes after the
+    happened and when the supervisor had noticed it (the epoch moved on), and how many of the kills
+    were answered by promoting a warm spare (a process already running at the kill). Each kill comes after the
     previous one has recovered (the pipeline is healthy and a stream in flight has had a token since
     the restart), at a random point of generation: once the furthest unfinished stream has 5-40% of
     its tokens. A random delay in seconds instead let a fast machine finish the whole load first.
@@ -170,6 +177,7 @@ async def _chaos_round(
     streams = [Stream() for _ in bodies]
     load = asyncio.create_task(_load(http, bodies, streams))
     kill_times: list[tuple[float, float]] = []
+    promoted = 0
     for _ in range(kills):
         await wait_healthy(http, 120)
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
@@ -179,14 +187,19 @@ async def _chaos_round(
             await asyncio.sleep(0.002)
         if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
-        pid, epoch = rng.choice(server.actors()[kind]), server.epoch()
+        before, epoch = server.actors()[kind], server.epoch()
+        pid = rng.choice(before)
         server.remember_processes()
+        running = set(server.descendants)
         os.kill(pid, sig)
         killed_at = time.monotonic()
         while server.epoch() == epoch:
             await asyncio.sleep(0.005)
         kill_times.append((killed_at, time.monotonic()))
-    return await load, kill_times
+        while pid in (now := server.actors()[kind]) and time.monotonic() < killed_at + 5:
+            await asyncio.sleep(0.005)
+        promoted += bool((set(now) - set(before)) & running)  # the replacement was already running: a spare
+    return await load, kill_times, promoted
 
 
 def _recovery_ms(streams: list[Stream], killed_at: float, noticed_at: float) -> float | None:
@@ -219,12 +232,15 @@ async def run(args: argparse.Namespace) -> dict:
     ]
     server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
     rng = random.Random(args.seed)
-    summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "recovery_ms": {}}
+    summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "promoted": {}, "recovery_ms": {}}
     recoveries: list[float] = []
     try:
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(server.base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
-            await wait_healthy(http, 300)
+            try:
+                await wait_healthy(http, 300, server.proc)
+            except ServerExited as exc:
+                raise SystemExit(f"{exc}; its log ({server.log}) ends:\n{server.last_errors()}") from None
             bodies = _bodies(args.requests, args.max_tokens)
             reference = await _load(http, bodies)
             if failed := [s.error for s in reference if s.error or s.finish is None]:
@@ -235,8 +251,9 @@ async def run(args: argparse.Namespace) -> dict:
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
-                    streams, kill_times = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
+                    streams, kill_times, promoted = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
                     done += len(kill_times)
+                    summary["promoted"][kind] = summary["promoted"].get(kind, 0) + promoted
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
                     for got, want in zip(streams, reference):
                         summary["requests"] += 1

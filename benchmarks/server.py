@@ -54,10 +54,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-async def wait_healthy(http: aiohttp.ClientSession, timeout: float) -> None:
-    """Until GET /health answers 200: every actor up and a ping through the whole pipeline."""
+class ServerExited(RuntimeError):
+    pass
+
+
+async def wait_healthy(http: aiohttp.ClientSession, timeout: float, server: subprocess.Popen | None = None) -> None:
+    """Until GET /health answers 200: every actor up and a ping through the whole pipeline. Raises
+    ServerExited at once if `server` (the process serving `http`) has exited meanwhile."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if server is not None and server.poll() is not None:
+            raise ServerExited(f"the server exited with code {server.returncode} before it was healthy")
         try:
             async with http.get("/health") as reply:
                 if reply.status == 200:

@@ -7,6 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
+
+log = structlog.get_logger()
+
 
 @dataclass(frozen=True)
 class RopeConfig:
@@ -146,6 +150,7 @@ def device_defaults(device: str) -> dict[str, Any]:
 
 
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8: vLLM's name for fp8_e4m3
+FLOAT32_NAMES = ("float32", "fp32")
 
 
 @dataclass(frozen=True)
@@ -175,6 +180,12 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
+        if self.device.startswith("cuda") and self.dtype in FLOAT32_NAMES:  # flashinfer has no float32 kernels
+            if self.attention_backend == "flashinfer":
+                raise ValueError("attention_backend flashinfer has no float32 kernels: use dtype bfloat16 or float16, or the torch backend")
+            if self.attention_backend is None:
+                log.warning("float32_on_cuda", attention_backend="torch", why="flashinfer has no float32 kernels; CUDA graphs are off")
+                object.__setattr__(self, "attention_backend", "torch")
         for name, value in device_defaults(self.device).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)

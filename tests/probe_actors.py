@@ -127,8 +127,8 @@ class Stall(Actor):
         await asyncio.Event().wait()
 
 
-def _spec(name: str, cls: str, watchdog_s: float | None = None, **options) -> ActorSpec:
-    return ActorSpec(name=name, kind=name, entry=f"tests.probe_actors:{cls}", options=options, watchdog_s=watchdog_s)
+def _spec(name: str, cls: str, watchdog_s: float | None = None, spare: bool = False, **options) -> ActorSpec:
+    return ActorSpec(name=name, kind=name, entry=f"tests.probe_actors:{cls}", options=options, watchdog_s=watchdog_s, spare=spare)
 
 
 def chain(server: str) -> Topology:
@@ -136,6 +136,15 @@ def chain(server: str) -> Topology:
     return Topology(
         server=server,
         actors=(_spec("source", "Source"), _spec("echo", "Echo"), _spec("sink", "Checksum", delay_s=0.001)),
+        edges=(Edge("source", "echo", 256 << 10), Edge("echo", "sink", 256 << 10)),
+    )
+
+
+def spared_chain(server: str) -> Topology:
+    """The chain with a warm spare for echo."""
+    return Topology(
+        server=server,
+        actors=(_spec("source", "Source"), _spec("echo", "Echo", spare=True), _spec("sink", "Checksum", delay_s=0.001)),
         edges=(Edge("source", "echo", 256 << 10), Edge("echo", "sink", 256 << 10)),
     )
 

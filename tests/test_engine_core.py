@@ -316,3 +316,14 @@ def test_a_plan_carries_a_bounded_history_however_many_slots_it_could_open(monke
         opened.append(len(plan.new_slots))
         assert sum(len(n.prompt_ids) + len(n.output_ids) for n in plan.new_slots) <= 250
     assert opened[:6] == [2] * 6 and sum(opened) == 12
+
+
+def test_float32_on_cuda_runs_torch_attention_or_is_refused():
+    """flashinfer has no float32 kernels: float32 on CUDA takes the torch attention backend unless
+    flashinfer is asked for by name, which is refused at configuration, before anything loads."""
+    from runtime.config import EngineConfig
+
+    assert EngineConfig(device="cuda", dtype="float32").attention_backend == "torch"
+    assert EngineConfig(device="cuda", dtype="bfloat16").attention_backend == "flashinfer"
+    with pytest.raises(ValueError, match="flashinfer has no float32 kernels"):
+        EngineConfig(device="cuda", dtype="fp32", attention_backend="flashinfer")

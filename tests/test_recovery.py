@@ -44,6 +44,17 @@ def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served
     summary = chaos("--quick", "--model", str(served))
     assert_clean(summary)
     assert summary["kills"] == {"tokenizer": 1, "scheduler": 1, "engine": 1, "detokenizer": 1}
+    # the text actors' kills were answered by their warm spares, the others' by a fresh start
+    assert summary["promoted"] == {"tokenizer": 1, "scheduler": 0, "engine": 0, "detokenizer": 1}
+
+
+def test_chaos_stops_at_once_with_the_error_of_a_server_that_cannot_start(served):
+    started = time.monotonic()
+    args = ("--quick", "--model", str(served), "--", "--max-running-requests", "0")
+    done = subprocess.run([sys.executable, "-m", "benchmarks.chaos", *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "the server exited with code 2 before it was healthy" in done.stderr, done.stderr[-2000:]
+    assert "max_running_requests must be at least 1" in done.stderr
+    assert time.monotonic() - started < 60  # not the 300 s a healthy start may take
 
 
 def test_hung_engine_is_recovered_within_the_watchdog_timeout(served):

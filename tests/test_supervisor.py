@@ -79,6 +79,31 @@ def test_sigkill_restarts_under_new_epoch_and_drops_old_frames(start_supervisor,
     assert all(r["epoch"] == 2 for r in sup.status())
 
 
+def spares(sup: RunningSupervisor) -> set[int]:
+    """The forkserver's children that no row of the control block names: warm spares standing by."""
+    forkserver = psutil.Process(psutil.Process(sup.actor("source")["pid"]).ppid())
+    return {child.pid for child in forkserver.children()} - {row["pid"] for row in sup.status()}
+
+
+def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_supervisor, server):
+    """A spare that dies is started again; a killed actor's spare takes its place (its pid, already
+    running, in the actor's row) under a new epoch, frames flow again, and a new spare starts."""
+    sup = start_supervisor("tests.probe_actors:spared_chain")
+    wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
+    (first,) = wait_for(lambda: spares(sup) or None, 20, "a spare to start")
+    os.kill(first, signal.SIGKILL)
+    (spare,) = wait_for(lambda: (found := spares(sup) - {first}) and found, 20, "the dead spare to be replaced")
+    time.sleep(0.5)  # its set-up done: a spare still setting up is not promoted
+    old_pid = sup.actor("echo")["pid"]
+    os.kill(old_pid, signal.SIGKILL)
+    row = wait_for(lambda: restarted(sup, "echo", old_pid), 20, "echo to be replaced")
+    assert row["pid"] == spare and row["epoch"] == 2
+    new_sink = sup.actor("sink")["pid"]
+    report = wait_for(lambda: (r := sink_report(server, new_sink)) and accepted_in(r, 2) > 50 and r, 20, "frames of epoch 2")
+    assert report["errors"] == []
+    wait_for(lambda: spares(sup) - {spare} or None, 20, "the next spare")
+
+
 def hung_lines(sup: RunningSupervisor) -> list[dict]:
     lines = (orjson.loads(line) for line in sup.log.read_bytes().splitlines() if line.startswith(b"{"))
     return [line for line in lines if line.get("event") == "actor_hung"]
