@@ -6,7 +6,9 @@ so the detokenizer routes deltas back to the worker that owns the connection.
 The worker holds each live request's durable state: what was submitted (with a seed it picks when
 the client gave none) and the token ids streamed so far. When a backend actor restarts (a new
 epoch), it replays every live request as (prompt, tokens already generated); the pipeline picks
-it up like a preempted request, and the client sees a pause.
+it up like a preempted request, and the client sees a pause. When the tokenizer restarts within the
+epoch (ActorSpec.keeps_epoch), only the requests that have had no answer yet are submitted again:
+the dead tokenizer may have held them, and the scheduler takes a request it already has once.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class LiveRequest:
     submit: Submit
     inbox: asyncio.Queue
     generated: list[int] = field(default_factory=list)
+    answered: bool = False  # a delta came back: the request is past the tokenizer
 
 
 class ApiWorker(Actor):
@@ -55,6 +58,7 @@ class ApiWorker(Actor):
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
         self._tokenizer_slot = self.control.index("tokenizer")
+        self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
         self.request_timeout = serve.request_timeout
         self.body_timeout = serve.body_timeout
@@ -76,12 +80,25 @@ class ApiWorker(Actor):
         replay still under way belongs to an epoch that is gone). /health waits for a ping of
         the new epoch to come back."""
         self.last_pong = 0.0
+        self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])  # this replay covers it
         loop = asyncio.get_running_loop()
         loop.create_task(self._send_ping())
         if self._replaying is not None:
             self._replaying.cancel()
         # the snapshot is taken now: a request submitted from here on is already of the new epoch
         self._replaying = loop.create_task(self._replay(list(self.live), epoch), name="replay") if self.live else None
+
+    def on_tick(self) -> None:
+        """A tokenizer restart within the epoch: submit again what it may have held, and ping (so may a ping)."""
+        restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
+        if restarts == self._tokenizer_restarts:
+            return
+        self._tokenizer_restarts = restarts
+        unanswered = [rid for rid, live in self.live.items() if not live.answered]
+        loop = asyncio.get_running_loop()
+        loop.create_task(self._send_ping())
+        if unanswered:
+            loop.create_task(self._replay(unanswered, self.epoch), name="resubmit")
 
     async def _replay(self, rids: list[int], epoch: int) -> None:
         log.info("replaying", requests=len(rids))
@@ -123,6 +140,7 @@ class ApiWorker(Actor):
         if live is None:
             return
         live.generated += delta.token_ids
+        live.answered = True
         live.inbox.put_nowait(delta.as_dict())
         if delta.error is not None or delta.finish is not None:
             self._forget(delta.rid)

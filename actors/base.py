@@ -6,8 +6,9 @@ reports ready, then runs `run` beside a tick that writes its heartbeat, follows 
 watches for a stop request. Every frame it reads goes through `admit`, the one epoch filter:
 frames of an older epoch are dropped, and a newer epoch resets soft state first.
 
-A warm spare (ActorSpec.spare) runs `setup` and then sleeps, touching neither its row of the control
-block nor its rings, until the supervisor promotes it in place of the actor that died: it then takes
+A warm spare (ActorSpec.spare) runs `setup`, writes its pid in the row's `spare_pid` and then sleeps,
+touching neither the rest of the row nor its rings, until the supervisor promotes it in place of the
+actor that died: it then takes
 up the row, the rings (at the first frame not yet consumed) and the current epoch, and goes on as a
 fresh start would.
 """
@@ -96,6 +97,9 @@ class Actor:
     def on_epoch(self, epoch: int) -> None:
         """Forget soft state: requests of older epochs will be replayed by their owners."""
 
+    def on_tick(self) -> None:
+        """Each heartbeat, and whenever the supervisor rings: a look at the control block."""
+
     def admit(self, frame: Frame) -> bool:
         if frame.epoch < self.epoch:
             return False
@@ -159,6 +163,7 @@ class Actor:
             self._beat()
             if self.control.epoch > self.epoch and not self.epochs_from_frames:
                 self._enter_epoch(self.control.epoch)
+            self.on_tick()
             if os.getppid() != self._parent:
                 log.warning("supervisor_gone")
                 return
@@ -176,7 +181,9 @@ class Actor:
             self.slot["epoch"] = self.epoch
         bind_process(epoch=self.epoch)
         await self.setup()
+        frozen = freeze_startup_heap()  # a spare's before it sleeps: a promotion does not wait for it
         if standby is not None:  # sleep until promoted (a spare no longer needed is killed)
+            self.slot["spare_pid"] = os.getpid()
             standby.ready.set()
             log.info("standing_by")
             standby.promoted.wait()
@@ -184,7 +191,6 @@ class Actor:
         if standby is not None:  # the soft state built so far belongs to no epoch yet
             self._enter_epoch(self.control.epoch)
             log.info("promoted")
-        frozen = freeze_startup_heap()
         log_long_pauses()
         self._beat()
         self.slot["state"] = ActorState.READY

@@ -1,6 +1,7 @@
 """The supervisor's table in shared memory: the current epoch and one row per actor.
 
-Actors write their own heartbeat and state; the supervisor writes everything else. Each field is
+Actors write their own heartbeat and state (a warm spare, its pid once set up); the supervisor writes
+everything else. Each field is
 an aligned 8- or 4-byte word, so a concurrent reader (`ringllm status`) never sees it torn.
 Heartbeats are CLOCK_MONOTONIC seconds, one clock for every process on the machine.
 """
@@ -29,8 +30,10 @@ SLOT = np.dtype(
         ("state", "<u4"),
         ("stop", "<u4"),
         ("gauges", "<f8", (8,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
+        ("spare_pid", "<i8"),  # its warm spare: the pid once set up (written by the spare), SPARE_STARTING, or 0
     ]
 )
+SPARE_STARTING = -1
 STATUS_KEYS = ("name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s")
 
 

@@ -91,7 +91,8 @@ def pipeline(config: ServeConfig) -> Topology:
     edges += [Edge("detokenizer", name) for name in workers]
     text_actor = {"preload": TOKENIZER_MODULES, "spare": config.warm_spares}  # slow to load a tokenizer, soft state
     actors = (
-        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, **text_actor),
+        # under data parallelism a resubmitted request could land on another replica than its first copy
+        ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, keeps_epoch=len(schedulers) == 1, **text_actor),
         *(ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}) for r, name in enumerate(schedulers)),
         *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, **text_actor),

@@ -28,6 +28,7 @@ from runtime.step import StepPlan
 from transport.ring import Frame
 
 log = structlog.get_logger()
+ENDED_KEPT = 4096  # ended requests remembered, so that a copy resubmitted after a tokenizer restart is not run again
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
@@ -76,7 +77,8 @@ class SchedulerActor(Actor):
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
         self.announce: dict[int, tuple[Detok, list[int]]] = {}  # for the detokenizer, with a request's first tokens
-        self.timelines: dict[int, Timeline] = {}
+        self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end
+        self.ended_rids: dict[int, None] = {}  # the last ENDED_KEPT to end, in order: a resubmitted copy is dropped
         self.in_flight: deque[int] = deque()
         self._publish_gauges()  # a new epoch starts empty
 
@@ -111,6 +113,9 @@ class SchedulerActor(Actor):
                 self.in_flight.remove(step)
                 await self._emit(self.core.update(step, results))
             case Tokenized() as req:
+                if rid in self.timelines or rid in self.ended_rids:  # a copy resubmitted after a tokenizer restart
+                    log.info("resubmit_dropped", rid=req.trace)
+                    return
                 self.taken += 1
                 try:
                     request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
@@ -134,7 +139,7 @@ class SchedulerActor(Actor):
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
             case Abort():
-                self.timelines.pop(rid, None)
+                self._ended(rid)
                 if (request := self.core.abort(rid)) is not None:
                     await self._emit([request])
             case Refusal() as refusal:
@@ -201,8 +206,14 @@ class SchedulerActor(Actor):
             timeline.prefilled = time.monotonic()
             log.info("prefill_done", rid=timeline.trace, prefill_s=round(timeline.prefilled - timeline.scheduled, 6))
 
+    def _ended(self, rid: int) -> Timeline | None:
+        self.ended_rids[rid] = None
+        if len(self.ended_rids) > ENDED_KEPT:
+            del self.ended_rids[next(iter(self.ended_rids))]
+        return self.timelines.pop(rid, None)
+
     def _on_finished(self, request: Request) -> None:
-        if (timeline := self.timelines.pop(request.rid, None)) is None or request.finish_reason == "abort":
+        if (timeline := self._ended(request.rid)) is None or request.finish_reason == "abort":
             return
         decode_s = time.monotonic() - (timeline.prefilled or timeline.queued)
         log.info(

@@ -3,9 +3,11 @@
 It is not on the data path. Its loop sleeps on the process sentinels and a signal wake-up pipe,
 and every `check_interval_s` looks at heartbeats. A dead or hung actor is restarted under a new
 epoch: the supervisor bumps the epoch in the control block and rings every other actor's
-doorbell, so peers drop frames of the old epoch and free their soft state. Where the actor has a
+doorbell, so peers drop frames of the old epoch and free their soft state. An actor whose
+restart keeps the epoch (ActorSpec.keeps_epoch) only has its row's restart count moved on. Where the actor has a
 warm spare that is ready, the spare is promoted into its place instead of a cold start, and a new
-spare starts SPARE_DELAY_S later, once the promoted one has the pipeline moving again.
+spare starts `spare_delay_s` later, once the promoted one has the pipeline moving again (the first
+spares, `spare_settle_s` after start-up).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from multiprocessing.connection import wait as wait_any
 import structlog
 
 from actors.base import ActorContext, Standby, actor_main
-from actors.control import ActorState, ControlBlock, pid_alive
+from actors.control import SPARE_STARTING, ActorState, ControlBlock, pid_alive
 from actors.gauges import PROGRESS_GAUGE
 from actors.topology import Topology
 from runtime.obs.logs import configure_logging
@@ -32,7 +34,6 @@ from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_se
 from transport.wakeup import Doorbell
 
 log = structlog.get_logger()
-SPARE_DELAY_S = 1.0  # after a promotion, before the next spare's start competes for the cores
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,10 @@ class SupervisorConfig:
     shutdown_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
     check_interval_s: float = 0.25
     max_backoff_s: float = 5.0  # for an actor that keeps dying before it is ready
+    # a warm spare's set-up competes for the cores: the first spares start once a new server has settled (its
+    # first requests, a benchmark's warm-up), a replacement once the replay after a promotion is done
+    spare_settle_s: float = 5.0
+    spare_delay_s: float = 5.0
 
     @property
     def heartbeat_s(self) -> float:
@@ -134,9 +139,9 @@ class Supervisor:
         for index in range(len(self.topology.actors)):
             self._start_actor(index)
         self._await_ready()
-        for index, spec in enumerate(self.topology.actors):  # after the start, which they would slow down
+        for index, spec in enumerate(self.topology.actors):
             if spec.spare:
-                self._start_spare(index)
+                self._schedule_spare(index, self.config.spare_settle_s)
         log.info("topology_ready", server=self.topology.server, actors=len(self._procs))
 
     def _sweep_stale(self) -> None:
@@ -262,6 +267,10 @@ class Supervisor:
         self._take_slot(index, proc := self._spawn(index))
         log.info("actor_started", child=spec.name, kind=spec.kind, pid=proc.pid, epoch=self.control.epoch)
 
+    def _schedule_spare(self, index: int, delay: float) -> None:
+        self.control.slots[index]["spare_pid"] = SPARE_STARTING  # on its way, from now on
+        self._spare_at[index] = time.monotonic() + delay
+
     def _start_spare(self, index: int) -> None:
         standby = Standby(self._forkserver.Event(), self._forkserver.Event())
         proc = self._spawn(index, standby)
@@ -276,7 +285,7 @@ class Supervisor:
         del self._spares[index]
         self._take_slot(index, spare.proc)
         spare.standby.promoted.set()
-        self._spare_at[index] = time.monotonic() + SPARE_DELAY_S
+        self._schedule_spare(index, self.config.spare_delay_s)
         log.info("spare_promoted", child=self._name(index), pid=spare.proc.pid, epoch=self.control.epoch)
         return True
 
@@ -284,9 +293,9 @@ class Supervisor:
         """A spare died before it was needed: another starts, later each time it happens again."""
         spare = self._spares.pop(index)
         spare.proc.join()
-        delay = self._backoff.get(-index - 1, SPARE_DELAY_S)  # negative keys: the spares' own backoff
+        delay = self._backoff.get(-index - 1, self.config.spare_delay_s)  # negative keys: the spares' own backoff
         self._backoff[-index - 1] = min(self.config.max_backoff_s, 2 * delay)
-        self._spare_at[index] = time.monotonic() + delay
+        self._schedule_spare(index, delay)
         log.warning("spare_exited", child=self._name(index), exitcode=spare.proc.exitcode, restart_in_s=delay)
         spare.proc.close()
 
@@ -299,7 +308,10 @@ class Supervisor:
         for member in members:  # before the new epoch: nothing is placed on them
             if slots[member]["state"] == ActorState.READY:
                 slots[member]["state"] = ActorState.DOWN
-        self._new_epoch(index, reason="exited", exitcode=proc.exitcode)
+        if self.topology.actors[index].keeps_epoch:
+            self._count_restart(index, reason="exited", exitcode=proc.exitcode)
+        else:
+            self._new_epoch(index, reason="exited", exitcode=proc.exitcode)
         proc.close()
         # a crash after a healthy start restarts at once; a crash loop at start-up backs off
         delay = 0.0 if was_ready else self._backoff.get(index, 0.25)
@@ -351,6 +363,10 @@ class Supervisor:
     def _new_epoch(self, index: int, **why) -> None:
         """Bump the epoch and tell every live peer, so in-flight frames of the old one are dropped."""
         self.control.epoch = self.control.epoch + 1
+        self._count_restart(index, **why)
+
+    def _count_restart(self, index: int, **why) -> None:
+        """Count the restart in the actor's row and tell every live peer (a peer that watches the row acts on it)."""
         self.control.slots[index]["restarts"] += 1
         metrics().restarts.labels(self._name(index)).inc()
         for peer in self._procs:
@@ -376,10 +392,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("topology", help="module:function that returns a Topology for a port")
     parser.add_argument("--port", type=int, default=8000, help="names the server's segments")
     parser.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s)
+    parser.add_argument("--spare-settle", type=float, default=SupervisorConfig.spare_settle_s, help="seconds before the first spares")
+    parser.add_argument("--spare-delay", type=float, default=SupervisorConfig.spare_delay_s, help="seconds before a spare's successor")
     args = parser.parse_args(argv)
     configure_logging("supervisor")
     topology = load_topology(args.topology, str(args.port))
-    return Supervisor(topology, SupervisorConfig(hang_timeout_s=args.hang_timeout)).run()
+    config = SupervisorConfig(hang_timeout_s=args.hang_timeout, spare_settle_s=args.spare_settle, spare_delay_s=args.spare_delay)
+    return Supervisor(topology, config).run()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,9 @@ class ActorSpec:
     # a warm spare: a second process of this actor that has run its setup and sleeps until the supervisor
     # promotes it in place of one that died or hung (actors whose start-up is slow and state soft)
     spare: bool = False
+    # its restart keeps the epoch: the peers keep their requests, and each api worker resubmits those of its
+    # requests the actor may have held (no answer yet), which the scheduler takes once (an actor off the token path)
+    keeps_epoch: bool = False
 
     def load_class(self) -> type:
         module, _, attr = self.entry.partition(":")

@@ -36,7 +36,7 @@ import aiohttp
 import orjson
 import psutil
 
-from actors.control import ControlBlock
+from actors.control import SPARE_STARTING, ControlBlock
 from benchmarks.server import ServerExited, free_port, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
@@ -98,10 +98,19 @@ class Server:
         finally:
             control.close()
 
-    def epoch(self) -> int:
+    def spares_set_up(self, kind: str) -> bool:
+        """No warm spare of `kind` is on its way (a kill meanwhile would find none ready and start cold)."""
         control = ControlBlock.attach(str(self.port))
         try:
-            return control.epoch
+            return not any(k == kind and slot["spare_pid"] == SPARE_STARTING for (_, k), slot in zip(control.actors, control.slots))
+        finally:
+            control.close()
+
+    def restarts(self, kind: str) -> int:
+        """Restarts of `kind`'s actors so far (a restart that keeps the epoch counts too)."""
+        control = ControlBlock.attach(str(self.port))
+        try:
+            return sum(int(slot["restarts"]) for (_, k), slot in zip(control.actors, control.slots) if k == kind)
         finally:
             control.close()
 
@@ -167,7 +176,7 @@ async def _chaos_round(
     server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int, sig: signal.Signals, rng: random.Random
 ) -> tuple[list[Stream], list[tuple[float, float]], int]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
-    happened and when the supervisor had noticed it (the epoch moved on), and how many of the kills
+    happened and when the supervisor had noticed it (the actor's restart count moved on), and how many of the kills
     were answered by promoting a warm spare (a process already running at the kill). Each kill comes after the
     previous one has recovered (the pipeline is healthy and a stream in flight has had a token since
     the restart), at a random point of generation: once the furthest unfinished stream has 5-40% of
@@ -175,11 +184,13 @@ async def _chaos_round(
     A kill lands only while streams still have half their tokens to come, so that every kill
     interrupts generation; otherwise the round ends early."""
     streams = [Stream() for _ in bodies]
+    await _spares_set_up(server, kind)
     load = asyncio.create_task(_load(http, bodies, streams))
     kill_times: list[tuple[float, float]] = []
     promoted = 0
     for _ in range(kills):
         await wait_healthy(http, 120)
+        await _spares_set_up(server, kind)
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
             await asyncio.sleep(0.01)
         target = rng.uniform(0.05, 0.4) * bodies[0]["max_tokens"]
@@ -187,19 +198,26 @@ async def _chaos_round(
             await asyncio.sleep(0.002)
         if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
-        before, epoch = server.actors()[kind], server.epoch()
+        before, restarts = server.actors()[kind], server.restarts(kind)
         pid = rng.choice(before)
         server.remember_processes()
         running = set(server.descendants)
         os.kill(pid, sig)
         killed_at = time.monotonic()
-        while server.epoch() == epoch:
+        while server.restarts(kind) == restarts:
             await asyncio.sleep(0.005)
         kill_times.append((killed_at, time.monotonic()))
         while pid in (now := server.actors()[kind]) and time.monotonic() < killed_at + 5:
             await asyncio.sleep(0.005)
         promoted += bool((set(now) - set(before)) & running)  # the replacement was already running: a spare
     return await load, kill_times, promoted
+
+
+async def _spares_set_up(server: Server, kind: str) -> None:
+    """Crashes in service come long after start-up and after each other: a kill waits for the warm
+    spares of its kind to be set up, as they would be by then."""
+    while not server.spares_set_up(kind):
+        await asyncio.sleep(0.01)
 
 
 def _recovery_ms(streams: list[Stream], killed_at: float, noticed_at: float) -> float | None:

@@ -238,10 +238,14 @@ class Server:
 
 
 def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Server:
-    """`ringllm serve`, in float32 unless args say otherwise: tests compare with fp32 transformers."""
+    """`ringllm serve`, in float32 unless args say otherwise: tests compare with fp32 transformers. No warm
+    spares unless asked for: on the 2-core machine their set-up would compete with each test's load
+    (benchmarks.chaos, run by tests/test_recovery.py, and tests/test_supervisor.py cover them)."""
     port = free_port()
     if "--dtype" not in args:
         args = (*args, "--dtype", "float32")
+    if "--warm-spares" not in args:
+        args = (*args, "--no-warm-spares")
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [

@@ -85,12 +85,42 @@ def server_processes(server) -> list[psutil.Process]:
 
 @pytest.fixture(scope="module")
 def two_workers(tiny_model, smollm2, tmp_path_factory):
-    """A server with two api workers, shared: a worker's death, then (last) a SIGTERM that ends it."""
+    """A server with two api workers, shared: a tokenizer's death, a worker's, then (last) a SIGTERM that ends it."""
     folder = tmp_path_factory.mktemp("two-workers")
     server = launch(with_tokenizer(tiny_model("llama"), smollm2, folder / "model"), folder / "serve.log", "--api-workers", "2")
     yield server
     if server.proc.poll() is None:
         server.stop()
+
+
+def test_a_tokenizer_restart_keeps_the_epoch_and_runs_each_request_once(two_workers):
+    """Requests wait in the ring of a frozen tokenizer, which is then killed: its restart keeps the epoch, the
+    api workers submit again what had no answer yet (here: all of them, so each reaches the new tokenizer
+    twice), each is queued in the scheduler once, and every stream equals the fault-free one."""
+    server = two_workers
+    bodies = _bodies(8, 24, server.model)
+    rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+    tokenizer = next(row for row in rows if row["name"] == "tokenizer")
+
+    async def scenario():
+        async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+            reference = await _load(http, bodies)
+            os.kill(tokenizer["pid"], signal.SIGSTOP)
+            load = asyncio.create_task(_load(http, bodies))
+            await asyncio.sleep(0.3)  # every request in the frozen tokenizer's ring
+            os.kill(tokenizer["pid"], signal.SIGKILL)
+            return reference, await load
+
+    epoch = server.get("/server_info")["epoch"]
+    logged = len(server.log.read_bytes().splitlines())
+    reference, streams = asyncio.run(scenario())
+    assert all(s.error is None for s in streams)
+    assert [(s.text, s.token_ids) for s in streams] == [(s.text, s.token_ids) for s in reference]
+    assert server.get("/server_info")["epoch"] == epoch
+    events = [orjson.loads(line) for line in server.log.read_bytes().splitlines()[logged:] if line.startswith(b"{")]
+    assert sum(e["requests"] for e in events if e.get("event") == "replaying") == len(bodies)
+    queued = [e["rid"] for e in events if e.get("event") == "queued"]
+    assert len(queued) == len(set(queued)) == 2 * len(bodies)  # the reference's and the faulted run's, once each
 
 
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):

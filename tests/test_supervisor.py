@@ -14,6 +14,7 @@ import orjson
 import psutil
 import pytest
 
+from actors.control import ControlBlock
 from benchmarks.server import stop_with_parent
 from tests.conftest import ROOT, RunningSupervisor, ringllm, wait_for
 from tests.probe_actors import report_path
@@ -79,6 +80,14 @@ def test_sigkill_restarts_under_new_epoch_and_drops_old_frames(start_supervisor,
     assert all(r["epoch"] == 2 for r in sup.status())
 
 
+def spare_pid(server: str, name: str) -> int:
+    control = ControlBlock.attach(server)
+    try:
+        return int(control.slots[control.index(name)]["spare_pid"])
+    finally:
+        control.close()
+
+
 def spares(sup: RunningSupervisor) -> set[int]:
     """The forkserver's children that no row of the control block names: warm spares standing by."""
     forkserver = psutil.Process(psutil.Process(sup.actor("source")["pid"]).ppid())
@@ -88,12 +97,12 @@ def spares(sup: RunningSupervisor) -> set[int]:
 def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_supervisor, server):
     """A spare that dies is started again; a killed actor's spare takes its place (its pid, already
     running, in the actor's row) under a new epoch, frames flow again, and a new spare starts."""
-    sup = start_supervisor("tests.probe_actors:spared_chain")
+    sup = start_supervisor("tests.probe_actors:spared_chain", "--spare-settle", "0", "--spare-delay", "0.2")
     wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
     (first,) = wait_for(lambda: spares(sup) or None, 20, "a spare to start")
     os.kill(first, signal.SIGKILL)
     (spare,) = wait_for(lambda: (found := spares(sup) - {first}) and found, 20, "the dead spare to be replaced")
-    time.sleep(0.5)  # its set-up done: a spare still setting up is not promoted
+    wait_for(lambda: spare_pid(server, "echo") == spare, 20, "the new spare's set-up")  # one still setting up is not promoted
     old_pid = sup.actor("echo")["pid"]
     os.kill(old_pid, signal.SIGKILL)
     row = wait_for(lambda: restarted(sup, "echo", old_pid), 20, "echo to be replaced")
