@@ -658,7 +658,11 @@ def test_fp8_gemm_kernels_match_the_dequantized_weight():
 
     generator = torch.Generator().manual_seed(8)
     for n, k, block, bias in [(4096, 4096, (128, 128), False), (200, 96, (128, 128), True), (1000, 1536, (1, 1536), False)]:
-        linear = nn.Linear(k, n, bias=bias).to("cuda", torch.bfloat16)
+        linear = nn.Linear(k, n, bias=bias)
+        with torch.no_grad():  # blocks of very different magnitudes: a misread scale cannot hide
+            spread = torch.randn(-(-n // block[0]), -(-k // block[1]), generator=generator).exp()
+            linear.weight *= spread.repeat_interleave(block[0], 0)[:n].repeat_interleave(block[1], 1)[:, :k]
+        linear = linear.to("cuda", torch.bfloat16)
         fp8 = Fp8Linear(linear, block)
         weight = dequantize_blockwise(fp8.weight, fp8.weight_scale, block)
         for rows in (1, 7, 64, 300):
@@ -672,10 +676,18 @@ def test_fp8_gemm_kernels_match_the_dequantized_weight():
 def test_fp8_checkpoint_on_cuda_gives_the_tokens_of_its_dequantized_weights(tmp_path):
     """A block-quantized FP8 checkpoint runs its projections as Fp8Linear (one byte a weight, FP8 GEMMs
     chosen at start-up) and gives the greedy tokens of the bf16 model of its dequantized weights."""
+    from safetensors.torch import load_file, save_file
+
     from runtime.models.fp8 import Fp8Linear
     from tests.test_fp8 import quantize_checkpoint
 
     source = build("qwen3", tmp_path / "source", head_dim=128, hidden_size=256, intermediate_size=384)
+    weights, generator = load_file(source / "model.safetensors"), torch.Generator().manual_seed(9)
+    for name, weight in weights.items():  # 128 x 128 blocks of different magnitudes: a misread scale shows
+        if name.endswith("proj.weight"):
+            spread = (0.5 * torch.randn(-(-weight.shape[0] // 128), -(-weight.shape[1] // 128), generator=generator)).exp()
+            weight *= spread.repeat_interleave(128, 0)[: weight.shape[0]].repeat_interleave(128, 1)[:, : weight.shape[1]]
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
     quantize_checkpoint(source, tmp_path / "fp8", tmp_path / "dequantized")
     reference = greedy_run(tmp_path / "dequantized", attention_backend="flashinfer")
     llm = LLM(tmp_path / "fp8", device="cuda", dtype="bfloat16", page_size=PAGE, num_pages=512, max_prefill_tokens=32)

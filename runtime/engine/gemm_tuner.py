@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable
 
 import structlog
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -162,8 +163,9 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
     epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
-    dense = layers and all(isinstance(layer.mlp, MLP) for layer in layers) and isinstance(layers[0].mlp.down_proj, nn.Linear)
-    if gemv_kernel is None or not dense:  # dense MLPs in the model's dtype only (an Fp8Linear has kernels of its own)
+    dense = layers and all(isinstance(layer.mlp, MLP) for layer in layers)
+    projections = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)
+    if gemv_kernel is None or not dense or any(isinstance(p, Fp8Linear) for p in projections):  # FP8 runs kernels of its own
         return {}
     first = layers[0]
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
@@ -250,6 +252,7 @@ def _layer_projections(layers: list[DecoderLayer], fusion: OneRowFusion, h: torc
 
 
 FP8_ROW_BUCKETS = tuple(1 << i for i in range(10))  # Fp8Linear.forward's keys: 1, 2, .., 512
+FP8_TIMED_LINEARS = 8  # of a shape's linears, those timed: each candidate's graph keeps its outputs, after the KV pool took its share
 # relative error allowed between a candidate's output and the W8A16 GEMM's: quantizing the activations
 # alone moves random inputs' products ~3%, a misread scale by far more
 FP8_AGREEMENT = 6e-2
@@ -264,7 +267,7 @@ def _flashinfer_block_scaled(linear: Fp8Linear) -> Fp8Kernel | None:
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
     except ImportError:
         return None
-    return lambda x, layer: fp8_blockscale_gemm_sm90(x, layer.weight, None, layer.weight_scale)
+    return lambda x, layer: fp8_blockscale_gemm_sm90(x.contiguous(), layer.weight, None, layer.weight_scale)  # it assumes rows of K
 
 
 def _fp8_candidates(linear: Fp8Linear, rows: int) -> dict[str, Fp8Kernel]:
@@ -287,18 +290,21 @@ def _agreeing(candidates: dict[str, Fp8Kernel], linear: Fp8Linear, x: torch.Tens
     """The candidates that run here and give the Triton GEMM's output (a library kernel that fails to
     build, or reads the scales in another layout, drops out)."""
     reference = linear.triton(x).float()
-    kept = {}
+    shape = f"{linear.out_features}x{linear.in_features}"
+    agrees = []
     for name, kernel in candidates.items():
         try:
             error = float((kernel(x, linear).float() - reference).norm() / reference.norm().clamp(min=1e-12))
         except (RuntimeError, ValueError) as exc:
-            log.warning("fp8_kernel_unusable", kernel=name, shape=f"{linear.out_features}x{linear.in_features}", error=str(exc)[:200])
-            continue
-        if error < FP8_AGREEMENT:
-            kept[name] = kernel
-        else:
-            log.warning("fp8_kernel_disagrees", kernel=name, shape=f"{linear.out_features}x{linear.in_features}", error=error)
-    return kept
+            log.warning("fp8_kernel_unusable", kernel=name, shape=shape, error=str(exc)[:200])
+            error = float("inf")
+        if error >= FP8_AGREEMENT and error != float("inf"):
+            log.warning("fp8_kernel_disagrees", kernel=name, shape=shape, error=error)
+        agrees.append(error < FP8_AGREEMENT)
+    kept = torch.tensor(agrees, dtype=torch.int32, device=x.device)
+    if dist.is_initialized():  # every rank must time the same candidates (cuda_graph averages their times)
+        dist.all_reduce(kept, op=dist.ReduceOp.MIN)
+    return {name: kernel for (name, kernel), keep in zip(candidates.items(), kept.tolist(), strict=True) if keep}
 
 
 @torch.inference_mode()
@@ -314,7 +320,7 @@ def use_fp8_gemms(model: nn.Module, dtype: torch.dtype) -> dict[str, dict[int, s
         for rows in FP8_ROW_BUCKETS:
             x = torch.randn(rows, k, dtype=dtype, device=first.weight.device)
             candidates = _agreeing(_fp8_candidates(first, rows), first, x)
-            run_all = lambda kernel, x=x, members=members: [kernel(x, linear) for linear in members]  # noqa: E731
+            run_all = lambda kernel, x=x, timed=members[:FP8_TIMED_LINEARS]: [kernel(x, linear) for linear in timed]  # noqa: E731
             times = cuda_graph.time_captured({name: functools.partial(run_all, kernel) for name, kernel in candidates.items()})
             name = _fastest(times)
             for linear in members:
