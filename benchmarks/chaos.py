@@ -6,7 +6,7 @@ repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments,
 every stream with the reference. The last line printed is one JSON object:
 
     requests, completed, mismatched, lost, kills{kind: n}, promoted{kind: kills answered by a warm spare},
-    recovery_ms_p50, recovery_ms_max,
+    recovery_ms_p50, recovery_ms_max, longest_pause_ms{kind: the longest a stream in flight waited across a kill},
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
     leaked_segments, orphans
 
@@ -213,6 +213,16 @@ async def _chaos_round(
     return await load, kill_times, promoted
 
 
+def _longest_pause_ms(streams: list[Stream], killed_at: float) -> float | None:
+    """The longest wait, over the streams streaming at a kill, from their last token before it to the next."""
+    pauses = [
+        next(t for t in s.arrivals if t > killed_at) - max(t for t in s.arrivals if t <= killed_at)
+        for s in streams
+        if s.arrivals and s.arrivals[0] <= killed_at < s.arrivals[-1]
+    ]
+    return max(pauses) * 1e3 if pauses else None
+
+
 async def _spares_set_up(server: Server, kind: str) -> None:
     """Crashes in service come long after start-up and after each other: a kill waits for the warm
     spares of its kind to be set up, as they would be by then."""
@@ -251,6 +261,7 @@ async def run(args: argparse.Namespace) -> dict:
     server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
     rng = random.Random(args.seed)
     summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "promoted": {}, "recovery_ms": {}}
+    summary["longest_pause_ms"] = {}
     recoveries: list[float] = []
     try:
         timeout = aiohttp.ClientTimeout(total=600)
@@ -265,7 +276,7 @@ async def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"the fault-free load failed: {failed[:3]}")
             sig = signal.SIGSTOP if args.signal == "stop" else signal.SIGKILL
             for kind in args.kinds:
-                done, kind_recoveries = 0, []
+                done, kind_recoveries, kind_pauses = 0, [], []
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
@@ -273,6 +284,7 @@ async def run(args: argparse.Namespace) -> dict:
                     done += len(kill_times)
                     summary["promoted"][kind] = summary["promoted"].get(kind, 0) + promoted
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
+                    kind_pauses += [ms for killed_at, _ in kill_times if (ms := _longest_pause_ms(streams, killed_at)) is not None]
                     for got, want in zip(streams, reference):
                         summary["requests"] += 1
                         if got.error or got.finish is None:
@@ -284,6 +296,7 @@ async def run(args: argparse.Namespace) -> dict:
                     await wait_healthy(http, 120)
                 summary["kills"][kind] = done
                 recoveries += kind_recoveries
+                summary["longest_pause_ms"][kind] = round(max(kind_pauses)) if kind_pauses else None
                 summary["recovery_ms"][kind] = (
                     [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] if kind_recoveries else None
                 )

@@ -46,6 +46,7 @@ def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served
     assert summary["kills"] == {"tokenizer": 1, "scheduler": 1, "engine": 1, "detokenizer": 1}
     # the text actors' kills were answered by their warm spares, the others' by a fresh start
     assert summary["promoted"] == {"tokenizer": 1, "scheduler": 0, "engine": 0, "detokenizer": 1}
+    assert set(summary["longest_pause_ms"]) == set(summary["kills"])
 
 
 def test_chaos_stops_at_once_with_the_error_of_a_server_that_cannot_start(served):
