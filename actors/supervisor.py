@@ -4,9 +4,10 @@ It is not on the data path. Its loop sleeps on the process sentinels and a signa
 and every `check_interval_s` looks at heartbeats. A dead or hung actor is restarted under a new
 epoch: the supervisor bumps the epoch in the control block and rings every other actor's
 doorbell, so peers drop frames of the old epoch and free their soft state. An actor whose
-restart keeps the epoch (ActorSpec.keeps_epoch) only has its row's restart count moved on. Where the actor has a
-warm spare that is ready, the spare is promoted into its place instead of a cold start, and a new
-spare starts `spare_delay_s` later, once the promoted one has the pipeline moving again (the first
+restart keeps the epoch (ActorSpec.keeps_epoch) only has its row's restart count moved on.
+
+Where the actor has a warm spare that is set up, the spare is promoted into its place instead of a
+cold start, and its successor starts `spare_delay_s` later, once the replay is done (the first
 spares, `spare_settle_s` after start-up).
 """
 
@@ -254,17 +255,20 @@ class Supervisor:
         proc.start()
         return proc
 
-    def _take_slot(self, index: int, proc: mp.process.BaseProcess) -> None:
-        """`proc` is now the actor at `index`: its row starts afresh under the current epoch."""
+    def _reset_slot(self, index: int) -> None:
+        """The actor's row afresh under the current epoch: before its process can write to it."""
         slot = self.control.slots[index]
         slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
-        slot["pid"] = proc.pid
+
+    def _own(self, index: int, proc: mp.process.BaseProcess) -> None:
+        self.control.slots[index]["pid"] = proc.pid
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()
 
     def _start_actor(self, index: int) -> None:
         spec = self.topology.actors[index]
-        self._take_slot(index, proc := self._spawn(index))
+        self._reset_slot(index)
+        self._own(index, proc := self._spawn(index))
         log.info("actor_started", child=spec.name, kind=spec.kind, pid=proc.pid, epoch=self.control.epoch)
 
     def _schedule_spare(self, index: int, delay: float) -> None:
@@ -283,8 +287,9 @@ class Supervisor:
         if spare is None or not spare.standby.ready.is_set() or not spare.proc.is_alive():
             return False
         del self._spares[index]
-        self._take_slot(index, spare.proc)
-        spare.standby.promoted.set()
+        self._reset_slot(index)
+        self._own(index, spare.proc)
+        spare.standby.promoted.set()  # only now does the spare touch the row
         self._schedule_spare(index, self.config.spare_delay_s)
         log.info("spare_promoted", child=self._name(index), pid=spare.proc.pid, epoch=self.control.epoch)
         return True
