@@ -8,7 +8,9 @@ the client gave none) and the token ids streamed so far. When a backend actor re
 epoch), it replays every live request as (prompt, tokens already generated); the pipeline picks
 it up like a preempted request, and the client sees a pause. When the tokenizer restarts within the
 epoch (ActorSpec.keeps_epoch), only the requests that have had no answer yet are submitted again:
-the dead tokenizer may have held them, and the scheduler takes a request it already has once.
+the dead tokenizer may have held them, and the scheduler takes a request it already has once. When
+the detokenizer does, each scheduler announces its requests again with all their tokens, and the
+worker keeps, of that whole text and those ids, what its client has not had yet.
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class LiveRequest:
     inbox: asyncio.Queue
     generated: list[int] = field(default_factory=list)
     answered: bool = False  # a delta came back: the request is past the tokenizer
+    text_chars: int = 0  # of text streamed so far
 
 
 class ApiWorker(Actor):
@@ -139,7 +142,10 @@ class ApiWorker(Actor):
         live = self.live.get(delta.rid)
         if live is None:
             return
+        if delta.resync:  # the whole completion so far, from a new detokenizer: keep what the client has not had
+            delta = replace(delta, text=delta.text[live.text_chars :], token_ids=delta.token_ids[len(live.generated) :], resync=False)
         live.generated += delta.token_ids
+        live.text_chars += len(delta.text)
         live.answered = True
         live.inbox.put_nowait(delta.as_dict())
         if delta.error is not None or delta.finish is not None:

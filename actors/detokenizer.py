@@ -78,8 +78,11 @@ class DetokenizerActor(Actor):
                 prompt_tokens=first.prompt_tokens,
                 cached_tokens=first.cached_tokens,
             )
-            for token in first.generated:  # a replay: rebuild the state its client has already seen
-                self._advance(self.streams[rid], [token], None)
+            if first.resync:  # every token so far, text and all: the api worker keeps what its client lacks
+                new = first.generated + new
+            else:
+                for token in first.generated:  # a replay: rebuild the state its client has already seen
+                    self._advance(self.streams[rid], [token], None)
         stream = self.streams.get(rid)
         if stream is None:  # finished here already (a stop string), or aborted
             return None
@@ -93,7 +96,8 @@ class DetokenizerActor(Actor):
                 "completion_tokens": stream.completion_tokens,
                 "cached_tokens": stream.cached_tokens,
             }
-        return Delta(rid, text, new, finish, abort=finish is not None and item.finish is None, logprobs=logprobs, usage=usage)
+        abort = finish is not None and item.finish is None
+        return Delta(rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=first is not None and first.resync)
 
     def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""

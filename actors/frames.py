@@ -134,6 +134,9 @@ class Announce:
     generated: list[int]  # tokens a replay's client has seen already: the detokenizer's state is rebuilt from them
     prompt_tokens: int
     cached_tokens: int
+    # after a detokenizer restart: `generated` is every token so far, and the text of all of them goes to the
+    # api worker, which keeps what its client has not had yet
+    resync: bool = False
 
 
 @dataclass(slots=True)
@@ -162,7 +165,7 @@ class Tokens(Payload):
             announce = None
             if (a := i.announce) is not None:
                 history += a.generated
-                announce = [a.detok, len(a.generated), a.prompt_tokens, a.cached_tokens]
+                announce = [a.detok, len(a.generated), a.prompt_tokens, a.cached_tokens, a.resync]
             meta.append([i.rid, i.finish, len(i.token_ids), i.logprobs, announce])
         return meta, [tokens, history]
 
@@ -172,8 +175,8 @@ class Tokens(Payload):
         items, at, seen = [], 0, 0
         for rid, finish, n, logprobs, announce in meta:
             if announce is not None:
-                detok, count, prompt_tokens, cached_tokens = announce
-                announce = Announce(Detok(**detok), history[seen : seen + count], prompt_tokens, cached_tokens)
+                detok, count, prompt_tokens, cached_tokens, resync = announce
+                announce = Announce(Detok(**detok), history[seen : seen + count], prompt_tokens, cached_tokens, resync)
                 seen += count
             if logprobs is not None:
                 logprobs = [(t, lp) for t, lp in logprobs]
@@ -194,6 +197,7 @@ class Delta:
     logprobs: list[dict] | None = None  # per token: token_id, token, logprob, top
     usage: dict[str, int] | None = None  # with the finish: prompt_tokens, completion_tokens, cached_tokens
     error: Refusal | None = None
+    resync: bool = False  # the whole completion so far (Announce.resync), not only what is new
 
     def as_dict(self) -> dict:
         """The form api.app reads from a request's inbox."""
@@ -210,20 +214,20 @@ class Delta:
 @dataclass(frozen=True)
 class Deltas(Payload):
     """One step's deltas for one api worker. Wire: [rid, text, token count, finish, abort, logprobs,
-    usage, error] a delta; array: their token ids."""
+    usage, error, resync] a delta; array: their token ids."""
 
     KIND = Kind.DELTAS
     deltas: list[Delta]
 
     def to_wire(self) -> Wire:
-        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error] for d in self.deltas]
+        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error, d.resync] for d in self.deltas]
         return meta, [[t for d in self.deltas for t in d.token_ids]]
 
     @classmethod
     def from_wire(cls, meta: list, arrays: list) -> Deltas:
         tokens, deltas, at = arrays[0].tolist(), [], 0
-        for rid, text, n, finish, abort, logprobs, usage, error in meta:
-            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, error and Refusal(**error)))
+        for rid, text, n, finish, abort, logprobs, usage, error, resync in meta:
+            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, error and Refusal(**error), resync))
             at += n
         return cls(deltas)
 

@@ -95,7 +95,7 @@ def pipeline(config: ServeConfig) -> Topology:
         ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, keeps_epoch=len(schedulers) == 1, **text_actor),
         *(ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}) for r, name in enumerate(schedulers)),
         *engines,
-        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, **text_actor),
+        ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(
             ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
             for i, name in enumerate(workers)

@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import structlog
 
 from actors.base import Actor
@@ -29,6 +30,21 @@ from transport.ring import Frame
 
 log = structlog.get_logger()
 ENDED_KEPT = 4096  # ended requests remembered, so that a copy resubmitted after a tokenizer restart is not run again
+RESYNC_ENDED_S = 60.0  # ended requests a detokenizer restart announces again: their last frame may have died with it
+
+
+@dataclass(frozen=True)
+class Ended:
+    """What a resync tells the detokenizer of a request that has ended."""
+
+    detok: Detok
+    output_ids: np.ndarray
+    finish: str
+    prompt_tokens: int
+    cached_tokens: int
+    at: float = field(default_factory=time.monotonic)
+
+
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
@@ -72,13 +88,19 @@ class SchedulerActor(Actor):
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.taken = int(self.slot["gauges"][SchedulerGauge.TAKEN])  # requests taken in, for the router: a restart counts on
         self.window = Window(time.monotonic())
+        self._detokenizer_slot = self.control.index("detokenizer")
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
         self.announce: dict[int, tuple[Detok, list[int]]] = {}  # for the detokenizer, with a request's first tokens
         self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end
-        self.ended_rids: dict[int, None] = {}  # the last ENDED_KEPT to end, in order: a resubmitted copy is dropped
+        self.detoks: dict[int, Detok] = {}  # the same requests' detokenizer options, for a resync
+        # the last ENDED_KEPT to end, in order: a resubmitted copy is dropped; those that ended in the last RESYNC_ENDED_S
+        # with their tokens, whose last frame a dead detokenizer may have taken with it
+        self.ended: dict[int, Ended | None] = {}
+        # a restart of the detokenizer that keeps the epoch is resynced; one before this epoch is covered by its replay
+        self._detokenizer_restarts, self._resync = int(self.control.slots[self._detokenizer_slot]["restarts"]), False
         self.in_flight: deque[int] = deque()
         self._publish_gauges()  # a new epoch starts empty
 
@@ -89,8 +111,16 @@ class SchedulerActor(Actor):
         finally:
             reporter.cancel()
 
+    def on_tick(self) -> None:
+        restarts = int(self.control.slots[self._detokenizer_slot]["restarts"])
+        if restarts != self._detokenizer_restarts:  # a restart within the epoch: the next turn of the loop resyncs it
+            self._detokenizer_restarts, self._resync = restarts, True
+
     async def _serve(self) -> None:
         while True:
+            if self._resync:  # before any later tokens leave, so that none reaches it ahead of its request's resync
+                self._resync = False
+                await self._resync_detokenizer()
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
             epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
@@ -113,7 +143,7 @@ class SchedulerActor(Actor):
                 self.in_flight.remove(step)
                 await self._emit(self.core.update(step, results))
             case Tokenized() as req:
-                if rid in self.timelines or rid in self.ended_rids:  # a copy resubmitted after a tokenizer restart
+                if rid in self.timelines or rid in self.ended:  # a copy resubmitted after a tokenizer restart
                     log.info("resubmit_dropped", rid=req.trace)
                     return
                 self.taken += 1
@@ -123,6 +153,7 @@ class SchedulerActor(Actor):
                     await self.send("detokenizer", Refusal(str(exc)), rid)
                     return
                 self.announce[rid] = (req.detok, req.generated)
+                self.detoks[rid] = req.detok
                 self.timelines[rid] = Timeline(req.trace, time.monotonic())
                 log.info(
                     "queued",
@@ -139,11 +170,37 @@ class SchedulerActor(Actor):
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
             case Abort():
-                self._ended(rid)
+                self._ended(rid, None)
                 if (request := self.core.abort(rid)) is not None:
                     await self._emit([request])
             case Refusal() as refusal:
                 await self.send("detokenizer", refusal, rid)
+
+    async def _resync_detokenizer(self) -> None:
+        """A new detokenizer knows no request, and the old one may have taken some tokens with it: every
+        request it has heard of (running, or ended in the last RESYNC_ENDED_S) is announced again with all
+        its tokens; the api workers keep what their clients have not had."""
+        items = []
+        for request in self.core.running:
+            if request.rid not in self.announce and (detok := self.detoks.get(request.rid)) is not None:
+                announce = Announce(detok, list(request.output_ids), len(request.prompt_ids), request.cached_tokens, resync=True)
+                items.append(TokenItem(request.rid, None, [], None, announce))
+        recent = time.monotonic() - RESYNC_ENDED_S
+        for rid, ended in self.ended.items():
+            if ended is not None and ended.at > recent:
+                announce = Announce(ended.detok, ended.output_ids.tolist(), ended.prompt_tokens, ended.cached_tokens, resync=True)
+                items.append(TokenItem(rid, ended.finish, [], None, announce))
+        log.info("detokenizer_resync", requests=len(items))
+        frame, size = [], 0
+        for item in items:
+            item_size = 64 + 4 * len(item.announce.generated) + 6 * sum(map(len, item.announce.detok.stop))
+            if frame and size + item_size > TOKENS_FRAME_BYTES:
+                await self.send("detokenizer", Tokens(frame))
+                frame, size = [], 0
+            frame.append(item)
+            size += item_size
+        if frame:
+            await self.send("detokenizer", Tokens(frame))
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
         """A frame per step: each request's newest token, and its finish reason if it finished
@@ -206,14 +263,19 @@ class SchedulerActor(Actor):
             timeline.prefilled = time.monotonic()
             log.info("prefill_done", rid=timeline.trace, prefill_s=round(timeline.prefilled - timeline.scheduled, 6))
 
-    def _ended(self, rid: int) -> Timeline | None:
-        self.ended_rids[rid] = None
-        if len(self.ended_rids) > ENDED_KEPT:
-            del self.ended_rids[next(iter(self.ended_rids))]
+    def _ended(self, rid: int, request: Request | None) -> Timeline | None:
+        detok = self.detoks.pop(rid, None)
+        ended = None
+        if request is not None and detok is not None and request.finish_reason != "abort":
+            output_ids = np.asarray(request.output_ids, np.int32)
+            ended = Ended(detok, output_ids, request.finish_reason, len(request.prompt_ids), request.cached_tokens)
+        self.ended[rid] = ended
+        if len(self.ended) > ENDED_KEPT:
+            del self.ended[next(iter(self.ended))]
         return self.timelines.pop(rid, None)
 
     def _on_finished(self, request: Request) -> None:
-        if (timeline := self._ended(request.rid)) is None or request.finish_reason == "abort":
+        if (timeline := self._ended(request.rid, request)) is None or request.finish_reason == "abort":
             return
         decode_s = time.monotonic() - (timeline.prefilled or timeline.queued)
         log.info(

@@ -16,7 +16,7 @@ import orjson
 import psutil
 import pytest
 
-from benchmarks.chaos import _bodies, _load
+from benchmarks.chaos import Stream, _bodies, _load
 from tests.conftest import ROOT, launch, ringllm, wait_for, with_tokenizer
 from transport.segment import list_segments, server_prefix
 
@@ -94,34 +94,47 @@ def two_workers(tiny_model, smollm2, tmp_path_factory):
         server.stop()
 
 
-def test_a_tokenizer_restart_keeps_the_epoch_and_runs_each_request_once(two_workers):
-    """Requests wait in the ring of a frozen tokenizer, which is then killed: its restart keeps the epoch, the
-    api workers submit again what had no answer yet (here: all of them, so each reaches the new tokenizer
-    twice), each is queued in the scheduler once, and every stream equals the fault-free one."""
+@pytest.mark.parametrize("victim", ["tokenizer", "detokenizer"])
+def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers, victim):
+    """The victim freezes with work waiting in its ring (new requests for the tokenizer; tokens mid-stream
+    for the detokenizer), then dies. Its restart keeps the epoch. After the tokenizer's, the api workers
+    submit again what had no answer yet (here all of it, so each request reaches the new tokenizer
+    twice) and each is queued once; after the detokenizer's, the scheduler announces every request again
+    with all its tokens and the api workers keep what their clients lacked. Every stream equals the
+    fault-free one."""
     server = two_workers
-    bodies = _bodies(8, 24, server.model)
+    bodies = _bodies(8, 96, server.model)
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
-    tokenizer = next(row for row in rows if row["name"] == "tokenizer")
+    pid = next(row["pid"] for row in rows if row["name"] == victim)
 
     async def scenario():
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
             reference = await _load(http, bodies)
-            os.kill(tokenizer["pid"], signal.SIGSTOP)
-            load = asyncio.create_task(_load(http, bodies))
-            await asyncio.sleep(0.3)  # every request in the frozen tokenizer's ring
-            os.kill(tokenizer["pid"], signal.SIGKILL)
+            streams = [Stream() for _ in bodies]
+            load = asyncio.create_task(_load(http, bodies, streams))
+            deadline = time.monotonic() + 30
+            while victim == "detokenizer" and not all(s.token_ids for s in streams):  # mid-stream: every stream has begun
+                assert time.monotonic() < deadline, "the streams did not start"
+                await asyncio.sleep(0.005)
+            os.kill(pid, signal.SIGSTOP)
+            await asyncio.sleep(0.3)  # work piles up in the frozen actor's ring
+            os.kill(pid, signal.SIGKILL)
             return reference, await load
 
     epoch = server.get("/server_info")["epoch"]
     logged = len(server.log.read_bytes().splitlines())
     reference, streams = asyncio.run(scenario())
     assert all(s.error is None for s in streams)
-    assert [(s.text, s.token_ids) for s in streams] == [(s.text, s.token_ids) for s in reference]
+    assert [(s.text, s.token_ids, s.finish) for s in streams] == [(s.text, s.token_ids, s.finish) for s in reference]
     assert server.get("/server_info")["epoch"] == epoch
     events = [orjson.loads(line) for line in server.log.read_bytes().splitlines()[logged:] if line.startswith(b"{")]
-    assert sum(e["requests"] for e in events if e.get("event") == "replaying") == len(bodies)
-    queued = [e["rid"] for e in events if e.get("event") == "queued"]
-    assert len(queued) == len(set(queued)) == 2 * len(bodies)  # the reference's and the faulted run's, once each
+    if victim == "tokenizer":
+        assert sum(e["requests"] for e in events if e.get("event") == "replaying") == len(bodies)
+        queued = [e["rid"] for e in events if e.get("event") == "queued"]
+        assert len(queued) == len(set(queued)) == 2 * len(bodies)  # the reference's and the faulted run's, once each
+    else:  # the faulted run's requests, running or just ended, and the reference's, ended within RESYNC_ENDED_S
+        (resync,) = [e["requests"] for e in events if e.get("event") == "detokenizer_resync"]
+        assert resync >= len(bodies)
 
 
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
