@@ -99,6 +99,7 @@ class SchedulerActor(Actor):
         # the last ENDED_KEPT to end, in order: a resubmitted copy is dropped; those that ended in the last RESYNC_ENDED_S
         # with their tokens, whose last frame a dead detokenizer may have taken with it
         self.ended: dict[int, Ended | None] = {}
+        self.refused: dict[int, tuple[Refusal, float]] = {}  # likewise, the requests refused here, and when
         # a restart of the detokenizer that keeps the epoch is resynced; one before this epoch is covered by its replay
         self._detokenizer_restarts, self._resync = int(self.control.slots[self._detokenizer_slot]["restarts"]), False
         self.in_flight: deque[int] = deque()
@@ -150,7 +151,7 @@ class SchedulerActor(Actor):
                 try:
                     request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
                 except ValueError as exc:
-                    await self.send("detokenizer", Refusal(str(exc)), rid)
+                    await self._refuse(rid, Refusal(str(exc)))
                     return
                 self.announce[rid] = (req.detok, req.generated)
                 self.detoks[rid] = req.detok
@@ -174,14 +175,22 @@ class SchedulerActor(Actor):
                 if (request := self.core.abort(rid)) is not None:
                     await self._emit([request])
             case Refusal() as refusal:
-                await self.send("detokenizer", refusal, rid)
+                await self._refuse(rid, refusal)
+
+    async def _refuse(self, rid: int, refusal: Refusal) -> None:
+        """Through the detokenizer to the request's api worker; kept a while, for a resync."""
+        self.refused[rid] = (refusal, time.monotonic())
+        if len(self.refused) > ENDED_KEPT:
+            del self.refused[next(iter(self.refused))]
+        await self.send("detokenizer", refusal, rid)
 
     async def _resync_detokenizer(self) -> None:
         """A new detokenizer knows no request, and the old one may have taken some tokens with it: every
         request it has heard of (running, or ended in the last RESYNC_ENDED_S) is announced again with all
-        its tokens; the api workers keep what their clients have not had."""
+        its tokens, and refusals of that time are sent again; the api workers keep what their clients
+        have not had, and drop what is not theirs any more."""
         items = []
-        for request in self.core.running:
+        for request in [*self.core.running, *self.core.waiting]:  # a waiting one may be preempted after its first tokens
             if request.rid not in self.announce and (detok := self.detoks.get(request.rid)) is not None:
                 announce = Announce(detok, list(request.output_ids), len(request.prompt_ids), request.cached_tokens, resync=True)
                 items.append(TokenItem(request.rid, None, [], None, announce))
@@ -190,7 +199,10 @@ class SchedulerActor(Actor):
             if ended is not None and ended.at > recent:
                 announce = Announce(ended.detok, ended.output_ids.tolist(), ended.prompt_tokens, ended.cached_tokens, resync=True)
                 items.append(TokenItem(rid, ended.finish, [], None, announce))
-        log.info("detokenizer_resync", requests=len(items))
+        refused = [(rid, refusal) for rid, (refusal, at) in self.refused.items() if at > recent]
+        log.info("detokenizer_resync", requests=len(items), refusals=len(refused))
+        for rid, refusal in refused:
+            await self.send("detokenizer", refusal, rid)
         frame, size = [], 0
         for item in items:
             item_size = 64 + 4 * len(item.announce.generated) + 6 * sum(map(len, item.announce.detok.stop))
