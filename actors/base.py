@@ -8,9 +8,8 @@ frames of an older epoch are dropped, and a newer epoch resets soft state first.
 
 A warm spare (ActorSpec.spare) runs `setup`, writes its pid in the row's `spare_pid` and then sleeps,
 touching neither the rest of the row nor its rings, until the supervisor promotes it in place of the
-actor that died: it then takes
-up the row, the rings (at the first frame not yet consumed) and the current epoch, and goes on as a
-fresh start would.
+actor that died: it then takes up the row, the rings (at the first frame not yet consumed) and the
+current epoch, and goes on as a fresh start would.
 """
 
 from __future__ import annotations

@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
         default=engine.kv_cache_dtype,
-        help="auto: the model's dtype; fp8_e4m3 (fp8): float8 pages with a scale per layer, twice the tokens of bf16 (CPU so far)",
+        help="auto: the model's dtype; fp8_e4m3 (fp8): float8 pages with a scale per layer, twice the tokens of bf16",
     )
     s.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help=by_device("attention_backend"))
     s.add_argument("--mem-fraction", type=float, default=engine.mem_fraction, help="CUDA: share of device memory for weights and KV cache")

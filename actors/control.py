@@ -1,8 +1,8 @@
 """The supervisor's table in shared memory: the current epoch and one row per actor.
 
 Actors write their own heartbeat and state (a warm spare, its pid once set up); the supervisor writes
-everything else. Each field is
-an aligned 8- or 4-byte word, so a concurrent reader (`ringllm status`) never sees it torn.
+everything else. Each field is an aligned 8- or 4-byte word, so a concurrent reader (`ringllm
+status`) never sees it torn.
 Heartbeats are CLOCK_MONOTONIC seconds, one clock for every process on the machine.
 """
 

@@ -48,6 +48,31 @@ class Ended:
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
+def _announce_bytes(announce: Announce) -> int:
+    """An announcement's share of a frame: its tokens so far, and the stop strings (up to 6 bytes a character, escaped)."""
+    return 4 * len(announce.generated) + 6 * sum(map(len, announce.detok.stop))
+
+
+def _in_frames(sized: list[tuple[TokenItem, int]]) -> list[list[TokenItem]]:
+    """Items, with their estimated sizes, in frames that each stay well inside the ring."""
+    frames: list[list[TokenItem]] = []
+    in_frame = TOKENS_FRAME_BYTES
+    for item, size in sized:
+        if in_frame + size > TOKENS_FRAME_BYTES:
+            frames.append([])
+            in_frame = 0
+        in_frame += size
+        frames[-1].append(item)
+    return frames
+
+
+def _remember(kept: dict, key: int, value: object) -> None:
+    """Keep `value` under `key`; past ENDED_KEPT entries, the oldest goes."""
+    kept[key] = value
+    if len(kept) > ENDED_KEPT:
+        del kept[next(iter(kept))]
+
+
 @dataclass
 class Timeline:
     """A request's moments in this scheduler, for its log lines and the queue-time metric."""
@@ -93,9 +118,9 @@ class SchedulerActor(Actor):
 
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
-        self.announce: dict[int, tuple[Detok, list[int]]] = {}  # for the detokenizer, with a request's first tokens
+        self.announce: dict[int, list[int]] = {}  # a replay's tokens so far, until the request's first tokens go out
         self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end
-        self.detoks: dict[int, Detok] = {}  # the same requests' detokenizer options, for a resync
+        self.detoks: dict[int, Detok] = {}  # the same requests' detokenizer options: with the first tokens, and in a resync
         # the last ENDED_KEPT to end, in order: a resubmitted copy is dropped; those that ended in the last RESYNC_ENDED_S
         # with their tokens, whose last frame a dead detokenizer may have taken with it
         self.ended: dict[int, Ended | None] = {}
@@ -153,7 +178,7 @@ class SchedulerActor(Actor):
                 except ValueError as exc:
                     await self._refuse(rid, Refusal(str(exc)))
                     return
-                self.announce[rid] = (req.detok, req.generated)
+                self.announce[rid] = req.generated
                 self.detoks[rid] = req.detok
                 self.timelines[rid] = Timeline(req.trace, time.monotonic())
                 log.info(
@@ -171,17 +196,16 @@ class SchedulerActor(Actor):
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
             case Abort():
-                self._ended(rid, None)
                 if (request := self.core.abort(rid)) is not None:
                     await self._emit([request])
+                else:  # not here (yet): a copy resubmitted later is not run
+                    self._ended(rid, None)
             case Refusal() as refusal:
                 await self._refuse(rid, refusal)
 
     async def _refuse(self, rid: int, refusal: Refusal) -> None:
         """Through the detokenizer to the request's api worker; kept a while, for a resync."""
-        self.refused[rid] = (refusal, time.monotonic())
-        if len(self.refused) > ENDED_KEPT:
-            del self.refused[next(iter(self.refused))]
+        _remember(self.refused, rid, (refusal, time.monotonic()))
         await self.send("detokenizer", refusal, rid)
 
     async def _resync_detokenizer(self) -> None:
@@ -203,15 +227,7 @@ class SchedulerActor(Actor):
         log.info("detokenizer_resync", requests=len(items), refusals=len(refused))
         for rid, refusal in refused:
             await self.send("detokenizer", refusal, rid)
-        frame, size = [], 0
-        for item in items:
-            item_size = 64 + 4 * len(item.announce.generated) + 6 * sum(map(len, item.announce.detok.stop))
-            if frame and size + item_size > TOKENS_FRAME_BYTES:
-                await self.send("detokenizer", Tokens(frame))
-                frame, size = [], 0
-            frame.append(item)
-            size += item_size
-        if frame:
+        for frame in _in_frames([(item, 64 + _announce_bytes(item.announce)) for item in items]):
             await self.send("detokenizer", Tokens(frame))
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
@@ -222,19 +238,13 @@ class SchedulerActor(Actor):
         if not requests:
             return
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
-        frames: list[list[TokenItem]] = []
-        in_frame = TOKENS_FRAME_BYTES
+        sized: list[tuple[TokenItem, int]] = []
         for request in requests:
             announce, size = None, 64 + 32 * (request.params.logprobs or 0)
-            if (first := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know
-                announce = Announce(*first, len(request.prompt_ids), request.cached_tokens)
-                # a replay's tokens so far, and the stop strings (up to 6 bytes a character, escaped)
-                size += 4 * len(announce.generated) + 6 * sum(map(len, announce.detok.stop))
+            if (generated := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know
+                announce = Announce(self.detoks[request.rid], generated, len(request.prompt_ids), request.cached_tokens)
+                size += _announce_bytes(announce)
                 self._on_prefilled(request)
-            if in_frame + size > TOKENS_FRAME_BYTES:
-                frames.append([])
-                in_frame = 0
-            in_frame += size
             if request.finish_reason is not None:
                 self._on_finished(request)
             tokens, logprobs = [], None
@@ -242,8 +252,8 @@ class SchedulerActor(Actor):
                 tokens = [request.output_ids[-1]]
                 if request.params.logprobs is not None:
                     logprobs = list(request.logprobs[-1].items())
-            frames[-1].append(TokenItem(request.rid, request.finish_reason, tokens, logprobs, announce))
-        for items in frames:
+            sized.append((TokenItem(request.rid, request.finish_reason, tokens, logprobs, announce), size))
+        for items in _in_frames(sized):
             sent = sum(len(item.token_ids) for item in items)
             self.m_generation_tokens.inc(sent)
             self.window.generation_tokens += sent
@@ -281,9 +291,7 @@ class SchedulerActor(Actor):
         if request is not None and detok is not None and request.finish_reason != "abort":
             output_ids = np.asarray(request.output_ids, np.int32)
             ended = Ended(detok, output_ids, request.finish_reason, len(request.prompt_ids), request.cached_tokens)
-        self.ended[rid] = ended
-        if len(self.ended) > ENDED_KEPT:
-            del self.ended[next(iter(self.ended))]
+        _remember(self.ended, rid, ended)
         return self.timelines.pop(rid, None)
 
     def _on_finished(self, request: Request) -> None:

@@ -78,6 +78,7 @@ class Supervisor:
         self._backoff: dict[int, float] = {}
         self._spares: dict[int, Spare] = {}  # actor index -> its warm spare
         self._spare_at: dict[int, float] = {}  # actor index -> when its next spare starts
+        self._spare_backoff: dict[int, float] = {}  # for a spare that keeps dying before it is needed
         # how often each group (ActorSpec.group) has been started: names its rendezvous
         self._group_starts = {actor.group: 1 for actor in topology.actors if actor.group is not None}
         self._stopping = False
@@ -298,8 +299,8 @@ class Supervisor:
         """A spare died before it was needed: another starts, later each time it happens again."""
         spare = self._spares.pop(index)
         spare.proc.join()
-        delay = self._backoff.get(-index - 1, self.config.spare_delay_s)  # negative keys: the spares' own backoff
-        self._backoff[-index - 1] = min(self.config.max_backoff_s, 2 * delay)
+        delay = self._spare_backoff.get(index, self.config.spare_delay_s)
+        self._spare_backoff[index] = min(self.config.max_backoff_s, 2 * delay)
         self._schedule_spare(index, delay)
         log.warning("spare_exited", child=self._name(index), exitcode=spare.proc.exitcode, restart_in_s=delay)
         spare.proc.close()
