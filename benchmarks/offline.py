@@ -24,6 +24,7 @@ import datetime
 import importlib
 import random
 import statistics
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -119,7 +120,7 @@ def run_in_process(
 
 
 async def _drive(
-    base_url: str, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+    server: subprocess.Popen, base_url: str, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
 ) -> dict[str, list[float]]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
@@ -128,7 +129,7 @@ async def _drive(
     import aiohttp
 
     async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)) as http:
-        await wait_healthy(http, 900)  # start-up loads weights and captures CUDA graphs
+        await wait_healthy(http, 900, server)  # start-up loads weights and captures CUDA graphs
 
         def body(ids: list[int], max_tokens: int, temperature: float, seed: int) -> bytes:
             return orjson.dumps(
@@ -183,7 +184,7 @@ def run_pipeline(
         ]
     )
     try:
-        return asyncio.run(_drive(f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
+        return asyncio.run(_drive(server, f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
     finally:
         stop_server(server)
 

@@ -25,6 +25,7 @@ class Tiles:
     block_k: int
     num_warps: int = 4
     num_stages: int = 3
+    kernel: str = "gemm"  # or "gemv": expert_gemv's unsorted path for a few tokens (block_m unused)
 
 
 TUNED = Path(__file__).with_name("moe_tiles")  # benchmarks/moe_tune.py writes one table per shape and device
@@ -164,6 +165,116 @@ def expert_gemm(
     return out
 
 
+@triton.jit
+def _expert_gate_up_gemv_kernel(
+    x_ptr,
+    w_ptr,
+    ids_ptr,
+    out_ptr,
+    load_ptr,
+    HIDDEN,
+    INTER,
+    TOP_K: tl.constexpr,
+    COUNT: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """out[pair, n] = SiLU(gate) · up of x[token] against rows n and INTER + n of its expert's gate_up."""
+    pair, tile = tl.program_id(0), tl.program_id(1)
+    expert = tl.load(ids_ptr + pair).to(tl.int64)
+    if COUNT and tile == 0:
+        tl.atomic_add(load_ptr + expert, 1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    gate_rows = w_ptr + expert * 2 * INTER * HIDDEN + n.to(tl.int64)[:, None] * HIDDEN + k[None, :]
+    up_rows = gate_rows + INTER * HIDDEN
+    x = x_ptr + (pair // TOP_K).to(tl.int64) * HIDDEN + k
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for start in range(0, HIDDEN, BLOCK_K):
+        a = tl.load(x + start).to(tl.float32)[None, :]
+        gate += tl.load(gate_rows + start).to(tl.float32) * a
+        up += tl.load(up_rows + start).to(tl.float32) * a
+    dtype = out_ptr.dtype.element_ty
+    g = tl.sum(gate, 1).to(dtype).to(tl.float32)  # rounded as the GEMM's output would be
+    u = tl.sum(up, 1).to(dtype).to(tl.float32)
+    tl.store(out_ptr + pair.to(tl.int64) * INTER + n, (g / (1.0 + tl.exp(-g)) * u).to(dtype))
+
+
+@triton.jit
+def _expert_down_gemv_kernel(
+    h_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, HIDDEN, INTER, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
+    """out[token, n] = Σ over the token's pairs of routing weight · h[pair] against row n of the pair's
+    expert's down: the weighted sum in the same program, so no pair's output is stored."""
+    token, tile = tl.program_id(0), tl.program_id(1)
+    n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    y = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        pair = token.to(tl.int64) * TOP_K + j
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        rows = w_ptr + expert * HIDDEN * INTER + n.to(tl.int64)[:, None] * INTER + k[None, :]
+        h = h_ptr + pair * INTER + k
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for start in range(0, INTER, BLOCK_K):
+            acc += tl.load(rows + start).to(tl.float32) * tl.load(h + start).to(tl.float32)[None, :]
+        y += tl.load(weights_ptr + pair).to(tl.float32) * tl.sum(acc, 1)
+    tl.store(out_ptr + token.to(tl.int64) * HIDDEN + n, y.to(out_ptr.dtype.element_ty))
+
+
+def expert_gemv(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    routing_weights: torch.Tensor,
+    ids: torch.Tensor,
+    tiles: Tiles,
+    load: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """fused_experts for a few tokens without sorting the pairs: one GEMV per pair against its expert's
+    gate_up with SiLU-and-mul in its epilogue, then one per token summing its experts' weighted down
+    rows. Each weight row is read once per pair that picks it, which is what sorting would save: a win
+    only while few pairs share an expert (moe_tune decides)."""
+    tokens, top_k = ids.shape
+    hidden, intermediate = x.shape[1], down.shape[2]
+    assert x.is_contiguous() and gate_up.is_contiguous() and down.is_contiguous() and ids.is_contiguous()
+    assert intermediate % tiles.block_n == 0 and hidden % tiles.block_n == 0
+    assert hidden % tiles.block_k == 0 and intermediate % tiles.block_k == 0
+    hidden_states = torch.empty(tokens * top_k, intermediate, dtype=x.dtype, device=x.device)
+    _expert_gate_up_gemv_kernel[(tokens * top_k, intermediate // tiles.block_n)](
+        x,
+        gate_up,
+        ids,
+        hidden_states,
+        load if load is not None else ids,
+        hidden,
+        intermediate,
+        TOP_K=top_k,
+        COUNT=load is not None,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    out = torch.empty(tokens, hidden, dtype=x.dtype, device=x.device)
+    _expert_down_gemv_kernel[(tokens, hidden // tiles.block_n)](
+        hidden_states,
+        down,
+        ids,
+        routing_weights.contiguous(),
+        out,
+        hidden,
+        intermediate,
+        TOP_K=top_k,
+        BLOCK_N=tiles.block_n,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out
+
+
 def sgl_align(ids: torch.Tensor, experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(pair indices sorted by expert, padded per expert to whole blocks with out-of-range pairs; each
     block's expert; the padded total), by sgl-kernel's one-kernel alignment. Its kernel counts expert
@@ -195,6 +306,8 @@ def fused_experts(
     (int32 [E]) gains each expert's pairs."""
     tokens, top_k = ids.shape
     tiles = tiles or tiles_for(tokens, gate_up.shape[0], down.shape[2], top_k, x.device)
+    if tiles.kernel == "gemv":
+        return expert_gemv(x, gate_up, down, routing_weights, ids, tiles, load)
     sorted_pairs, block_experts, padded = sgl_align(ids, gate_up.shape[0], tiles.block_m)
     pairs = tokens * top_k
     hidden = torch.empty(pairs, gate_up.shape[1], dtype=x.dtype, device=x.device)
