@@ -653,7 +653,7 @@ def test_decode_graphs_on_triton_attention_give_the_tokens_of_torch_attention(tm
 
 def test_fp8_gemm_kernels_match_the_dequantized_weight():
     """Every FP8 kernel start-up may choose (the Triton GEMM at each tile, W8A16 and W8A8, flashinfer's
-    block-scaled GEMM where the shape allows) against F.linear over the dequantized weight: 128 x 128
+    block-scaled GEMM where the shape allows, the one-row GEMV) against F.linear over the dequantized weight: 128 x 128
     blocks, partial blocks, scales per row, a bias; one row to a prefill's worth."""
     import torch.nn.functional as F
     from torch import nn
@@ -675,7 +675,7 @@ def test_fp8_gemm_kernels_match_the_dequantized_weight():
             want = F.linear(x.float(), weight, None if linear.bias is None else linear.bias.float())
             for name, kernel in _fp8_candidates(fp8, rows).items():  # FP8 activations cost ~3% on random inputs
                 error = float((kernel(x, fp8).float() - want).norm() / want.norm())
-                assert error < (1e-2 if name.startswith("w8a16") else 5e-2), (name, n, k, block, rows, error)
+                assert error < (1e-2 if name.startswith(("w8a16", "gemv")) else 5e-2), (name, n, k, block, rows, error)
 
 
 def test_fp8_checkpoint_on_cuda_gives_the_tokens_of_its_dequantized_weights(tmp_path, monkeypatch):

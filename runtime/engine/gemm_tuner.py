@@ -284,6 +284,11 @@ def _fp8_candidates(linear: Fp8Linear, rows: int) -> dict[str, Fp8Kernel]:
             found["w8a8-" + name] = lambda x, layer, tiles=tiles: layer.triton(x, tiles, fp8_activations=True)
     if (block_scaled := _flashinfer_block_scaled(linear)) is not None:
         found["flashinfer"] = block_scaled
+    if rows == 1 and (gemv_kernel := _gemv_kernels(linear.weight.device, torch.bfloat16)) is not None:
+        for tile in gemv_kernel.fp8_tiles(linear.out_features, linear.in_features):
+            found["gemv{}x{}".format(*tile)] = lambda x, layer, tile=tile: gemv_kernel.gemv(
+                x.contiguous(), layer.weight, layer.bias, tile, scale=layer.weight_scale, scale_block=layer.block
+            )[0]
     return found
 
 

@@ -1,5 +1,6 @@
 """One-row linears for batch-1 decode (cuBLAS streams one row well below bandwidth): y = x·Wᵀ (+ residual),
-x the row, its RMSNorm or SiLU(gate)·up; each program owns a few columns and sweeps the whole K."""
+x the row, its RMSNorm or SiLU(gate)·up; each program owns a few columns and sweeps the whole K. An FP8
+weight is widened in registers and scaled by its blocks' scales (W8A16: the row stays as it is)."""
 
 from __future__ import annotations
 
@@ -36,12 +37,16 @@ def _gemv_kernel(
     norm_ptr,
     new_res_ptr,
     w_ptr,
+    scale_ptr,
     bias_ptr,
     add_ptr,
     out_ptr,
     eps,
     K,
+    scale_cols,
     PROLOGUE: tl.constexpr,
+    SCALE_N: tl.constexpr,
+    SCALE_K: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     ADD: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -61,10 +66,14 @@ def _gemv_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for start in range(0, K, BLOCK_K):
-        w = tl.load(w_tile + start)
+        w = tl.load(w_tile + start).to(tl.float32)
+        if SCALE_N and BLOCK_K <= SCALE_K:  # an FP8 weight, the K tile within one block of scales
+            w *= tl.load(scale_ptr + (n // SCALE_N) * scale_cols + start // SCALE_K)[:, None]
+        elif SCALE_N:  # a K tile across blocks: each column's scale (repeats, so from L1)
+            w *= tl.load(scale_ptr + (n // SCALE_N)[:, None] * scale_cols + ((start + k) // SCALE_K)[None, :])
         a, sq = _activation(x_ptr, res_ptr, norm_ptr, new_res_ptr, start + k, K, pid == 0, PROLOGUE)
         squares += sq
-        acc += w.to(tl.float32) * a[None, :]
+        acc += w * a[None, :]
     y = tl.sum(acc, 1)
     if PROLOGUE == 1 or PROLOGUE == 2:
         y *= tl.rsqrt(tl.sum(squares, 0) / K + eps)
@@ -89,6 +98,14 @@ def tiles(n: int, k: int) -> list[tuple[int, int]]:
     return found
 
 
+FP8_TILES = ((4, 128), (8, 128), (16, 128), (32, 128), (4, 512), (8, 512), (16, 256), (8, 1024))
+
+
+def fp8_tiles(n: int, k: int) -> list[tuple[int, int]]:
+    """The FP8_TILES a weight [n, k] takes (its K tile dividing k)."""
+    return [(bn, bk) for bn, bk in FP8_TILES if n % bn == 0 and k % bk == 0]
+
+
 def gemv(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -100,8 +117,11 @@ def gemv(
     norm_weight: torch.Tensor | None = None,
     eps: float = 0.0,
     add: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
+    scale_block: tuple[int, int] = (0, 0),
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(y [1, N], the new residual for ADD_NORM else None); x and weight contiguous, tile from `tiles`."""
+    """(y [1, N], the new residual for ADD_NORM else None); x and weight contiguous, tile from `tiles`
+    (for an FP8 weight with `scale` per `scale_block`, from `fp8_tiles`)."""
     (n, k), (block_n, block_k) = weight.shape, tile
     assert x.shape[0] == 1 and x.is_contiguous() and weight.is_contiguous() and n % block_n == 0 and k % block_k == 0
     out = x.new_empty(1, n)
@@ -112,12 +132,16 @@ def gemv(
         norm_weight if norm_weight is not None else weight,
         new_residual if new_residual is not None else out,
         weight,
+        scale if scale is not None else weight,
         bias if bias is not None else weight,
         add if add is not None else out,
         out,
         eps,
         k,
+        0 if scale is None else scale.shape[1],
         PROLOGUE=prologue,
+        SCALE_N=scale_block[0] if scale is not None else 0,
+        SCALE_K=scale_block[1] if scale is not None else 0,
         HAS_BIAS=bias is not None,
         ADD=add is not None,
         BLOCK_N=block_n,
