@@ -146,6 +146,14 @@ class Actor:
         for peer in peers:
             await codec.send(self.outputs[peer], payload.KIND, rid, meta, arrays, epoch=epoch)
 
+    def epoch_moved_on(self) -> bool:
+        """Whether the supervisor has started a newer epoch than this actor's (ranks follow frames instead)."""
+        return self.control.epoch > self.epoch and not self.epochs_from_frames
+
+    def catch_up_epoch(self) -> None:
+        if self.epoch_moved_on():
+            self._enter_epoch(self.control.epoch)
+
     def _enter_epoch(self, epoch: int) -> None:
         self.epoch = epoch
         self.slot["epoch"] = epoch
@@ -153,15 +161,14 @@ class Actor:
         self.on_epoch(epoch)
         log.info("epoch_advanced")
 
-    def _beat(self) -> None:
+    def beat(self) -> None:
         self.slot["heartbeat"] = time.monotonic()
 
     async def _tick(self) -> None:
         """Heartbeat from inside the loop, so a blocked loop reads as hung."""
         while not self.slot["stop"]:
-            self._beat()
-            if self.control.epoch > self.epoch and not self.epochs_from_frames:
-                self._enter_epoch(self.control.epoch)
+            self.beat()
+            self.catch_up_epoch()
             self.on_tick()
             if os.getppid() != self._parent:
                 log.warning("supervisor_gone")
@@ -191,7 +198,7 @@ class Actor:
             self._enter_epoch(self.control.epoch)
             log.info("promoted")
         log_long_pauses()
-        self._beat()
+        self.beat()
         self.slot["state"] = ActorState.READY
         log.info("ready", gc_frozen=frozen)
         tasks = {asyncio.create_task(self.run(), name="run"), asyncio.create_task(self._tick(), name="tick")}

@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         "--warm-spares",
         action=argparse.BooleanOptionalAction,
         default=ServeConfig.warm_spares,
-        help="keep a set-up tokenizer and detokenizer asleep, to replace one that dies in a fraction of a second (default: on)",
+        help="keep a set-up tokenizer, scheduler, detokenizer (and CPU engine) asleep to replace one that dies (default: on)",
     )
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])

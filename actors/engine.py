@@ -13,6 +13,10 @@ to a new epoch where their frames do, so they launch the same steps in the same 
 A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
 launch, or the end of the step before it, whichever is later) to when its results are read. At
 debug level each step is also logged with its size and how long its launch held the host.
+
+On CPU, where launch runs the whole step and holds the loop, the engine beats between two layers (a
+long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
+there: nobody waits for its tokens, and the replay's first step should not wait for it.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from actors.frames import Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.pipeline import scheduler_names
 from runtime.distributed import TensorParallel, rank_device
-from runtime.engine.engine import Engine, PendingStep
+from runtime.engine.engine import Engine, PendingStep, StepAbandoned
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 
@@ -52,7 +56,6 @@ class InFlight(NamedTuple):
 class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
-        self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         config, self.rank, replica = serve.engine, self.options["rank"], self.options["replica"]
         self.scheduler = scheduler_names(serve)[replica]
         if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
@@ -64,12 +67,17 @@ class EngineActor(Actor):
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1
         self.engine = Engine(Path(serve.model_dir), config, tp, device)
+        if device.type == "cpu":  # launch runs the whole step: beat through it, and cut it short in a new epoch
+            self.engine.between_layers = self._beat_and_check_epoch
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
-        self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
+
+    def _beat_and_check_epoch(self) -> bool:
+        self.beat()
+        return self.epoch_moved_on()
 
     def on_epoch(self, epoch: int) -> None:
         self.engine.reset()
@@ -77,6 +85,9 @@ class EngineActor(Actor):
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0
 
     async def run(self) -> None:
+        # only now, not in setup: a warm spare sets up while the engine it may replace still runs on this row
+        self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
+        self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
         while True:
             await self.yield_if_due()
             got = self.poll_frame() if self.in_flight else await self.next_frame()
@@ -90,7 +101,12 @@ class EngineActor(Actor):
                 if not self.in_flight:
                     self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step
-                pending = self.engine.launch(plan)
+                try:
+                    pending = self.engine.launch(plan)
+                except StepAbandoned:
+                    log.info("step_abandoned", step=plan.step)
+                    self.catch_up_epoch()
+                    continue
                 self.in_flight.append(
                     InFlight(
                         plan.step,

@@ -31,7 +31,7 @@ class ServeConfig:
     stats_interval: float = 10.0  # seconds between a scheduler's stats lines, and an MoE engine's expert-load reports
     data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
     dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
-    warm_spares: bool = True  # a ready tokenizer and detokenizer wait, idle, to replace one that dies
+    warm_spares: bool = True  # a ready tokenizer, scheduler, detokenizer (and engine on CPU) wait, idle, to replace one that dies
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -79,6 +79,8 @@ def pipeline(config: ServeConfig) -> Topology:
                 preload=("torch",),
                 watchdog_s=config.watchdog_timeout,
                 group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
+                # on CPU a second copy of the weights and pool is cheap; on a GPU it would halve the pool
+                spare=config.warm_spares and ranks == 1 and config.engine.device == "cpu",
             )
             for rank, name in enumerate(names)
         ]
@@ -93,7 +95,10 @@ def pipeline(config: ServeConfig) -> Topology:
     actors = (
         # under data parallelism a resubmitted request could land on another replica than its first copy
         ActorSpec("tokenizer", "tokenizer", "actors.tokenizer:TokenizerActor", options, keeps_epoch=len(schedulers) == 1, **text_actor),
-        *(ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}) for r, name in enumerate(schedulers)),
+        *(
+            ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}, spare=config.warm_spares)
+            for r, name in enumerate(schedulers)
+        ),
         *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(

@@ -111,7 +111,6 @@ class SchedulerActor(Actor):
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
         self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
-        self.taken = int(self.slot["gauges"][SchedulerGauge.TAKEN])  # requests taken in, for the router: a restart counts on
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
         self.on_epoch(self.epoch)
@@ -172,7 +171,7 @@ class SchedulerActor(Actor):
                 if rid in self.timelines or rid in self.ended:  # a copy resubmitted after a tokenizer restart
                     log.info("resubmit_dropped", rid=req.trace)
                     return
-                self.taken += 1
+                self.slot["gauges"][SchedulerGauge.TAKEN] += 1  # requests taken in, for the router: a restart counts on
                 try:
                     request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
                 except ValueError as exc:
@@ -331,7 +330,6 @@ class SchedulerActor(Actor):
         gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, core.allocator.num_pages
         gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
         gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
-        gauges[SchedulerGauge.TAKEN] = self.taken
         self.m_running.set(len(core.running))
         self.m_waiting.set(len(core.waiting))
         self.m_kv_usage.set(used / core.allocator.num_pages)

@@ -327,3 +327,25 @@ def test_float32_on_cuda_runs_torch_attention_or_is_refused():
     assert EngineConfig(device="cuda", dtype="bfloat16").attention_backend == "flashinfer"
     with pytest.raises(ValueError, match="flashinfer has no float32 kernels"):
         EngineConfig(device="cuda", dtype="fp32", attention_backend="flashinfer")
+
+
+def test_an_abandoned_eager_step_stops_after_a_layer_and_a_reset_engine_runs_on(tiny_model):
+    """Engine.between_layers runs after each layer of an eager step, and True abandons the step there
+    (StepAbandoned); reset as a new epoch resets it, the engine then gives the tokens it would have."""
+    from runtime.engine.engine import StepAbandoned
+    from runtime.scheduler.scheduler import Scheduler
+
+    prompts = random_prompts(4, range(20, 40), seed=7)
+    llm = LLM(tiny_model("llama"), dtype="float32", page_size=16)
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    calls: list[int] = []
+    llm.engine.between_layers = lambda: calls.append(1) or True
+    with pytest.raises(StepAbandoned):
+        llm.generate(prompts, GREEDY)
+    assert len(calls) == 1 < llm.engine.model_config.num_layers  # cut short after its first layer
+    llm.engine.between_layers = lambda: calls.append(1) or False
+    llm.engine.reset()
+    cfg = llm.engine.model_config
+    llm.scheduler = Scheduler(llm.config, llm.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    assert len(calls) > cfg.num_layers

@@ -44,8 +44,8 @@ def test_chaos_quick_every_backend_kind_killed_and_every_stream_unchanged(served
     summary = chaos("--quick", "--model", str(served))
     assert_clean(summary)
     assert summary["kills"] == {"tokenizer": 1, "scheduler": 1, "engine": 1, "detokenizer": 1}
-    # the text actors' kills were answered by their warm spares, the others' by a fresh start
-    assert summary["promoted"] == {"tokenizer": 1, "scheduler": 0, "engine": 0, "detokenizer": 1}
+    # every kill was answered by a warm spare (the engine has one on CPU)
+    assert summary["promoted"] == {"tokenizer": 1, "scheduler": 1, "engine": 1, "detokenizer": 1}
     assert set(summary["longest_pause_ms"]) == set(summary["kills"])
 
 

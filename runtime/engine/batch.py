@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,7 @@ class ForwardBatch:
     positions: Tensor
     kv_rows: Tensor  # [T, 2]: where each new token's K and V go (see kv_rows)
     meta: AttentionMeta
+    between_layers: Callable[[], None] | None = None  # after each layer of an eager step: may raise to abandon it
 
 
 def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarray:

@@ -195,6 +195,8 @@ class DecoderForCausalLM(nn.Module):
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
+            if batch.between_layers is not None:
+                batch.between_layers()
         return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:
