@@ -35,6 +35,8 @@ from api.app import Overloaded, build_app
 from api.protocol import ApiError, Limits
 from runtime.config import ModelConfig
 from runtime.obs import expert_load
+from runtime.obs.metrics import metrics
+from runtime.scheduler.scheduler import FINISH_REASONS
 from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
@@ -56,7 +58,9 @@ class ApiWorker(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         self.worker = self.options["worker"]
-        self.served_model = serve.served_model_name
+        self.served_model, self.api_keys = serve.served_model_name, serve.api_keys
+        for reason in FINISH_REASONS:  # exported at 0 from the start, as Prometheus advises
+            metrics().success.labels(self.served_model, reason)
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype

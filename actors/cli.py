@@ -17,6 +17,8 @@ from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
 from runtime.scheduler.router import POLICIES
 
+API_KEY_ENV = "RINGLLM_API_KEY"  # one more key for --api-key, kept out of the process list
+
 HELP = {  # the serve flags whose help is too long to sit beside them
     "body-timeout": "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its "
     "connection is closed (default: %(default)s)",
@@ -105,6 +107,7 @@ def serve(args: argparse.Namespace) -> int:
             data_parallel_size=args.data_parallel_size,
             dp_policy=args.dp_policy,
             warm_spares=args.warm_spares,
+            api_keys=tuple(args.api_key or ()) + ((key,) if (key := os.environ.get(API_KEY_ENV)) else ()),
         )
         if engine.tensor_parallel_size > 1 or config.data_parallel_size > 1:  # torch only for a split or replicas
             from runtime.config import ModelConfig
@@ -168,6 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--model", help="a local Hugging Face folder or a hub id (default: SmolLM2-135M-Instruct)")
     s.add_argument("--served-model-name", help="the name clients pass as 'model' (default: --model)")
     s.add_argument("--host", default="127.0.0.1")
+    s.add_argument(
+        "--api-key",
+        action="append",
+        help=f"a key clients must send as 'Authorization: Bearer KEY' to every route but /health, /health/live, /metrics and "
+        f"/version (repeat for several; {API_KEY_ENV} adds one)",
+    )
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-workers", type=int, default=1, help="HTTP worker processes sharing the port")
     engine, cuda, cpu = EngineConfig, device_defaults("cuda"), device_defaults("cpu")

@@ -32,6 +32,7 @@ class ServeConfig:
     data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
     dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
     warm_spares: bool = True  # a ready tokenizer, scheduler, detokenizer (and engine on CPU) wait, idle, to replace one that dies
+    api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them opens the API; none: it is open to all
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:

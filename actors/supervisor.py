@@ -134,6 +134,8 @@ class Supervisor:
     def start(self) -> None:
         self._sweep_stale()
         prepare_dir(SHM_DIR / self.metrics_dir)  # before any child is spawned: they inherit its name
+        for spec in self.topology.actors:  # each actor's count exported at 0 from the start, as Prometheus advises
+            metrics().restarts.labels(spec.name)
         self.control = ControlBlock.create(self.topology)
         for edge in self.topology.edges:
             self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hmac
 import importlib.metadata
 import itertools
 import time
@@ -37,6 +38,7 @@ class Gateway(Protocol):
 
     served_model: str
     max_model_len: int
+    api_keys: tuple[str, ...]  # any one opens the guarded routes; none: all are open
 
     request_timeout: float | None
     body_timeout: float | None  # seconds a client may take to send a request's body
@@ -388,8 +390,31 @@ class Handlers:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
 
+OPEN_ROUTES = frozenset({"/health", "/health/live", "/metrics", "/version"})  # probes and scrapers carry no key
+
+
+def key_check(keys: tuple[str, ...]):
+    """The outermost middleware: a request passes only with 'Authorization: Bearer KEY' for one of
+    `keys`, each compared in constant time, else a 401 in OpenAI's shape before anything else is
+    looked at; OPEN_ROUTES pass without one."""
+    wanted = [key.encode() for key in keys]
+    refusal = ApiError("a valid API key is required: send it as 'Authorization: Bearer KEY'", 401, code="invalid_api_key")
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path not in OPEN_ROUTES:
+            scheme, _, given = request.headers.get("Authorization", "").partition(" ")
+            given_bytes = given.strip().encode()
+            if scheme.lower() != "bearer" or not any([hmac.compare_digest(given_bytes, key) for key in wanted]):  # noqa: C419 (all compared)
+                return _json(refusal.body(), 401, {"WWW-Authenticate": "Bearer"})
+        return await handler(request)
+
+    return check
+
+
 def build_app(gateway: Gateway) -> web.Application:
-    app = web.Application(middlewares=[openai_errors], client_max_size=MAX_BODY_BYTES)
+    keys = [key_check(gateway.api_keys)] if gateway.api_keys else []
+    app = web.Application(middlewares=[*keys, openai_errors], client_max_size=MAX_BODY_BYTES)
     h = Handlers(gateway)
     app.add_routes(
         [

@@ -19,7 +19,26 @@ MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # of one stop string: the detokenizer holds back up to this much text
 MAX_STOP_TOKEN_IDS = 256
 ROLES = {"system", "user", "assistant", "developer", "tool"}
-UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "logit_bias": {}, "tools": []}
+# fields that change the output, refused with a 400 unless left at their no-op value: never accepted and ignored
+UNSUPPORTED = {
+    "echo": False,
+    "best_of": 1,
+    "suffix": None,
+    "logit_bias": {},
+    "tools": [],
+    "response_format": {"type": "text"},
+    "structured_outputs": None,
+    "guided_json": None,
+    "guided_regex": None,
+    "guided_choice": None,
+    "guided_grammar": None,
+    "regex": None,
+    "json_schema": None,
+    "chat_template_kwargs": {},
+    "continue_final_message": False,
+    "add_generation_prompt": True,
+    "prompt_logprobs": None,
+}
 
 
 class ApiError(Exception):
@@ -165,9 +184,7 @@ def _prompts(body: dict, limits: Limits) -> list[dict]:
 def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completion:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
-    model = _get(body, "model", (str,))
-    if model is None:
-        raise ApiError("'model' is required", param="model")
+    model = _get(body, "model", (str,), default=served_model)  # omitted: the served model, as vLLM does
     if model != served_model:
         raise ApiError(
             f"the model '{model}' does not exist; this server serves '{served_model}'",
@@ -179,6 +196,8 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
+    if body.get("tool_choice") not in (None, "none", "auto"):  # with no tools (refused above), only a no-op choice
+        raise ApiError("'tool_choice' names a tool or requires one, but no 'tools' are given", param="tool_choice")
     prompts = [{"messages": _messages(body)}] if chat else _prompts(body, limits)
     positive = dict(check=lambda v: v >= 1, why="must be at least 1")
     max_tokens = _get(body, "max_tokens", (int,), **positive)

@@ -13,6 +13,8 @@ from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
 from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, Sampled, StepPlan
 
+FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
+
 
 @dataclass
 class Request:
