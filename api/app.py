@@ -357,8 +357,8 @@ class Handlers:
         await response.write_eof()
         return response
 
-    async def models(self, request: web.Request) -> web.Response:
-        model = {
+    def _model_card(self) -> dict:
+        return {
             "id": self.gateway.served_model,
             "object": "model",
             "created": int(time.time()),
@@ -366,7 +366,17 @@ class Handlers:
             "root": self.gateway.served_model,
             "max_model_len": self.gateway.max_model_len,
         }
-        return _json({"object": "list", "data": [model]})
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        """GET /v1/models/{id}: the served model's card, else OpenAI's 404."""
+        if request.match_info["id"] != self.gateway.served_model:
+            raise ApiError(
+                f"the model '{request.match_info['id']}' does not exist", 404, param="model", code="model_not_found", kind="NotFoundError"
+            )
+        return _json(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
         healthy = self.gateway.healthy()
@@ -421,6 +431,7 @@ def build_app(gateway: Gateway) -> web.Application:
             web.post("/v1/chat/completions", h.chat),
             web.post("/v1/completions", h.completions),
             web.get("/v1/models", h.models),
+            web.get("/v1/models/{id:.+}", h.model),  # ids may hold a slash (org/name)
             web.get("/health", h.health),
             web.get("/health/live", h.live),
             web.get("/version", h.version),

@@ -283,6 +283,9 @@ async def test_repeated_prefix_is_reported_cached(async_api: Api) -> None:
 async def test_models_lists_the_served_model(sync_api: Api) -> None:
     models = list(sync_api.client.models.list())
     assert [m.id for m in models] == [sync_api.model] and models[0].object == "model"
+    assert sync_api.client.models.retrieve(sync_api.model).id == sync_api.model
+    with pytest.raises(openai.NotFoundError):
+        sync_api.client.models.retrieve("org/another-model")
 
 
 @pytest.mark.parametrize(
