@@ -64,6 +64,7 @@ class ApiWorker(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
+        self.priorities = serve.engine.schedule_policy == "priority"
         self._tokenizer_slot = self.control.index("tokenizer")
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
@@ -219,7 +220,7 @@ class ApiWorker(Actor):
 
     def limits(self) -> Limits:
         token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
-        return Limits(self.max_model_len, self.vocab_size, token_bytes)
+        return Limits(self.max_model_len, self.vocab_size, token_bytes, self.priorities)
 
     def healthy(self) -> bool:
         ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining

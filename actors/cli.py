@@ -12,7 +12,7 @@ import orjson
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
 from actors.pipeline import ServeConfig, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
-from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, KV_CACHE_DTYPES, EngineConfig, device_defaults
+from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, EngineConfig, device_defaults
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
 from runtime.scheduler.router import POLICIES
@@ -78,6 +78,7 @@ def serve(args: argparse.Namespace) -> int:
             max_running_requests=args.max_running_requests,
             enable_prefix_cache=not args.disable_prefix_cache,
             mixed_chunk=args.enable_mixed_chunk,
+            schedule_policy=args.schedule_policy,
             dtype=args.dtype,
             device=args.device,
             dummy_weights=args.dummy_weights,
@@ -190,6 +191,12 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--max-running-requests", type=int, default=engine.max_running_requests)
     s.add_argument("--max-prefill-tokens", type=int, help=f"the prefill chunk budget of one step ({by_device('max_prefill_tokens')})")
     s.add_argument("--disable-prefix-cache", action="store_true")
+    s.add_argument(
+        "--schedule-policy",
+        choices=SCHEDULE_POLICIES,
+        default=engine.schedule_policy,
+        help="priority: requests carry a 'priority' (lower first, as vLLM); the queue and preemption follow it",
+    )
     s.add_argument(
         "--enable-mixed-chunk",
         action="store_true",

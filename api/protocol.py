@@ -60,6 +60,7 @@ class Limits:
     max_model_len: int
     vocab_size: int
     max_token_bytes: int  # the longest token's UTF-8 bytes (0: not known yet)
+    priorities: bool = False  # the priority schedule policy: requests may carry a 'priority'
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -238,7 +239,10 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
         repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= 2, "must be in (0, 2]"),
         logprobs=logprobs,
+        priority=_get(body, "priority", (int,), 0, lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
     )
+    if params["priority"] and not limits.priorities:
+        raise ApiError("'priority' needs a server started with --schedule-policy priority", param="priority")
     return Completion(
         chat=chat,
         model=model,

@@ -153,6 +153,9 @@ KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8: vLLM's name for fp8_e4m3
 FLOAT32_NAMES = ("float32", "fp32")
 
 
+SCHEDULE_POLICIES = ("fcfs", "priority")
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     page_size: int = 16
@@ -165,6 +168,7 @@ class EngineConfig:
     mixed_chunk: bool = False
     max_running_requests: int = 256
     enable_prefix_cache: bool = True
+    schedule_policy: str = "fcfs"  # or "priority": the waiting queue by (priority, arrival), preemption of the last first
     dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32
     device: str = "cpu"
     dummy_weights: bool = False
@@ -189,6 +193,8 @@ class EngineConfig:
         for name, value in device_defaults(self.device).items():
             if getattr(self, name) is None:
                 object.__setattr__(self, name, value)
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {SCHEDULE_POLICIES}, not {self.schedule_policy!r}")
         if self.attention_backend not in ATTENTION_BACKEND_NAMES:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, not {self.attention_backend!r}")
         at_least = {

@@ -118,6 +118,8 @@ SHARED: list[tuple[str, str, Any]] = [
     ("tool_choice-required-without-tools", "tool_choice", "required"),
     ("prompt_logprobs", "prompt_logprobs", 1),
     ("add_generation_prompt-false", "add_generation_prompt", False),
+    ("priority-under-fcfs", "priority", 1),  # this server schedules first come, first served
+    ("priority-string", "priority", "high"),
     ("model-unknown", "model", "gpt-4o"),
 ]
 

@@ -349,3 +349,29 @@ def test_an_abandoned_eager_step_stops_after_a_layer_and_a_reset_engine_runs_on(
     llm.scheduler = Scheduler(llm.config, llm.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert len(calls) > cfg.num_layers
+
+
+def test_the_priority_policy_admits_by_priority_and_preempts_the_lowest_first(tiny_model, monkeypatch):
+    """With one running slot, a saturated queue is admitted by (priority, arrival); under KV pressure
+    the request preempted is the lowest priority one, though older, where fcfs takes the newest. The
+    tokens are those of fcfs either way."""
+    prompts = random_prompts(5, range(20, 30), seed=11)
+    priorities = [3, 1, 2, 1, 0]
+    params = [SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, priority=p) for p in priorities]
+    expected = [o.token_ids for o in LLM(tiny_model("llama"), dtype="float32", max_running_requests=1).generate(prompts, params)]
+    llm = LLM(tiny_model("llama"), dtype="float32", max_running_requests=1, schedule_policy="priority")
+    admitted: list[int] = []
+    admit = llm.scheduler._admit
+    monkeypatch.setattr(llm.scheduler, "_admit", lambda r, plan: admit(r, plan) and (admitted.append(r.params.priority) or True))
+    assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    assert admitted == [0, 1, 1, 2, 3]  # all queued before the first step: by priority, ties by arrival
+
+    victims: dict[str, list[int]] = {}
+    for policy in ("fcfs", "priority"):  # 2 requests of ~70 tokens in 6 pages of 16: one must give way
+        tight = LLM(tiny_model("llama"), dtype="float32", page_size=16, num_pages=6, schedule_policy=policy)
+        preempt, seen = tight.scheduler._preempt, victims.setdefault(policy, [])
+        monkeypatch.setattr(tight.scheduler, "_preempt", lambda r, plan, p=preempt, seen=seen: seen.append(r.params.priority) or p(r, plan))
+        long = [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, priority=p) for p in (5, 0)]
+        outputs = tight.generate(random_prompts(2, range(30, 31), seed=12), long)
+        assert all(len(o.token_ids) == 40 for o in outputs)
+    assert victims["fcfs"][0] == 0 and victims["priority"][0] == 5, victims

@@ -71,8 +71,21 @@ class Scheduler:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(rid, list(prompt_ids), params, seed, list(generated))
-        self.waiting.append(request)
+        self._queue(request, first=False)
         return request
+
+    def _queue(self, request: Request, first: bool) -> None:
+        """Into the waiting queue, at its end (a new request) or its front (a preempted one); under
+        the priority policy, at the end or front of those of its priority."""
+        if self.config.schedule_policy == "fcfs":
+            if first:
+                self.waiting.appendleft(request)
+            else:
+                self.waiting.append(request)
+            return
+        priority = request.params.priority
+        behind = (lambda r: r.params.priority >= priority) if first else (lambda r: r.params.priority > priority)
+        self.waiting.insert(next((i for i, r in enumerate(self.waiting) if behind(r)), len(self.waiting)), request)
 
     def take_ended(self) -> list[Request]:
         ended, self.ended = self.ended, []
@@ -176,7 +189,7 @@ class Scheduler:
             return False
         needed = self.config.pages_for(request.computed + count) - len(request.pages)
         while not self._reserve(needed):
-            victim = self.running[-1]
+            victim = self._victim(plan)
             self._preempt(victim, plan)
             if victim is request:
                 return False
@@ -186,14 +199,22 @@ class Scheduler:
             plan.pages.append((request.slot, pages))
         return True
 
+    def _victim(self, plan: StepPlan) -> Request:
+        """The request to preempt: the newest running (fcfs); under the priority policy the newest of
+        the lowest priority among those this plan has not fed yet (the newest never has been)."""
+        if self.config.schedule_policy == "fcfs":
+            return self.running[-1]
+        fed = {*plan.decodes, *(chunk.slot for chunk in plan.chunks)}
+        return max((r for r in reversed(self.running) if r.slot not in fed), key=lambda r: r.params.priority)
+
     def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Recompute later: drop its KV and slot, keep its tokens, and queue it first."""
+        """Recompute later: drop its KV and slot, keep its tokens, and queue it first (of its priority)."""
         self.preemptions += 1
         self.running.remove(request)
         plan.freed.append(request.slot)
         self._release_slot(request)
         self._drop_pages(request)
-        self.waiting.appendleft(request)
+        self._queue(request, first=True)
 
     def _release_slot(self, request: Request) -> None:
         del self._by_slot[request.slot]
