@@ -172,6 +172,7 @@ def run_pipeline(
             "--served-model-name",
             "bench",
             "--dummy-weights",
+            "--no-warm-spares",  # their one-off set-up would compete with the timed rounds for the cores
             "--port",
             str(port),
             "--api-workers",
