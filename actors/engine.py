@@ -37,7 +37,8 @@ from actors.frames import Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.pipeline import scheduler_names
 from runtime.distributed import TensorParallel, rank_device
-from runtime.engine.engine import Engine, PendingStep, StepAbandoned
+from runtime.engine.batch import StepAbandoned
+from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 

@@ -189,7 +189,7 @@ async def _chaos_round(
     kill_times: list[tuple[float, float]] = []
     promoted = 0
     for _ in range(kills):
-        await wait_healthy(http, 120)
+        await wait_healthy(http, 120, server.proc)
         await _spares_set_up(server, kind)
         while kill_times and not load.done() and _recovery_ms(streams, *kill_times[-1]) is None:
             await asyncio.sleep(0.01)
@@ -293,7 +293,7 @@ async def run(args: argparse.Namespace) -> dict:
                             summary["mismatched"] += 1
                         else:
                             summary["completed"] += 1
-                    await wait_healthy(http, 120)
+                    await wait_healthy(http, 120, server.proc)
                 summary["kills"][kind] = done
                 recoveries += kind_recoveries
                 summary["longest_pause_ms"][kind] = round(max(kind_pauses)) if kind_pauses else None

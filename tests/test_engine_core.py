@@ -332,7 +332,7 @@ def test_float32_on_cuda_runs_torch_attention_or_is_refused():
 def test_an_abandoned_eager_step_stops_after_a_layer_and_a_reset_engine_runs_on(tiny_model):
     """Engine.between_layers runs after each layer of an eager step, and True abandons the step there
     (StepAbandoned); reset as a new epoch resets it, the engine then gives the tokens it would have."""
-    from runtime.engine.engine import StepAbandoned
+    from runtime.engine.batch import StepAbandoned
     from runtime.scheduler.scheduler import Scheduler
 
     prompts = random_prompts(4, range(20, 40), seed=7)

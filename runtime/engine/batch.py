@@ -24,13 +24,18 @@ class AttentionMeta:
         return (self.kv_lens - 1) % page_size + 1
 
 
+class StepAbandoned(Exception):
+    """An eager step stopped between two layers because its `between_layers` said nobody waits for it
+    any more; the engine must be reset before its next step."""
+
+
 @dataclass
 class ForwardBatch:
     input_ids: Tensor
     positions: Tensor
     kv_rows: Tensor  # [T, 2]: where each new token's K and V go (see kv_rows)
     meta: AttentionMeta
-    between_layers: Callable[[], None] | None = None  # after each layer of an eager step: may raise to abandon it
+    between_layers: Callable[[], bool] | None = None  # after each layer of an eager step: True abandons it
 
 
 def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarray:

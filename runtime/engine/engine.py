@@ -113,18 +113,13 @@ class HostStep:
     rows: list[SampleRow]
 
 
-class StepAbandoned(Exception):
-    """An eager step stopped between two layers because `Engine.between_layers` said nobody waits for
-    it any more; the engine must be reset before its next step."""
-
-
 class Engine:
     def __init__(self, model_dir: Path, config: EngineConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
         """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
         when None). Every rank runs every step; each holds its shard of the weights and its heads' KV."""
         self.config, self.tp = config, tp
         self.device = device or torch.device(config.device)
-        # set by an owner that follows an eager step's progress: called between layers, True abandons the step
+        # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -292,8 +287,7 @@ class Engine:
             input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
         if len(decodes):
             input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
-        between = self._between_layers if self.between_layers is not None else None
-        batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, between)
+        batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
         shape = self.prefill_graphs.fit(tokens, len(step.seq_slots)) if self.prefill_graphs else None
         if shape:
             hidden = self.prefill_graphs.replay(shape, batch)
@@ -336,10 +330,6 @@ class Engine:
     def _read_all(self) -> None:
         while self._unread:
             self._unread.popleft().result()
-
-    def _between_layers(self) -> None:
-        if self.between_layers():
-            raise StepAbandoned
 
     def reset(self) -> None:
         """Forget every slot (a new epoch): the next plans open them afresh."""

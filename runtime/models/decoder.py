@@ -17,7 +17,7 @@ from torch import nn
 from runtime.attention.backend import AttentionBackend
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
-from runtime.engine.batch import ForwardBatch
+from runtime.engine.batch import ForwardBatch, StepAbandoned
 from runtime.kernels.rope import Rope
 from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear, rope_cos_sin_cache
 from runtime.models.moe import SparseMoe
@@ -195,8 +195,8 @@ class DecoderForCausalLM(nn.Module):
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
         for layer in self.model.layers:
             h, residual = layer(h, residual, rope, batch, backend)
-            if batch.between_layers is not None:
-                batch.between_layers()
+            if batch.between_layers is not None and batch.between_layers():
+                raise StepAbandoned
         return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
 
     def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:
