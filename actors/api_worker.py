@@ -32,15 +32,18 @@ from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import make_rid
 from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
-from api.protocol import ApiError, Limits
+from api.errors import ApiError
+from api.protocol import Limits
 from runtime.config import ModelConfig
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import FINISH_REASONS
 from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
 PING_S = 1.0  # a ping goes through the pipeline this often
+WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0).to_dict()  # a warm-up request: prefill, and one greedy token
 FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
 HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
 
@@ -65,6 +68,7 @@ class ApiWorker(Actor):
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
         self.priorities = serve.engine.schedule_policy == "priority"
+        self.tool_call_parser, self.reasoning_parser = serve.tool_call_parser, serve.reasoning_parser
         self._tokenizer_slot = self.control.index("tokenizer")
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
@@ -79,6 +83,11 @@ class ApiWorker(Actor):
         # rid -> the pages each replica's flush evicted, and the future that gets their sum once all are back
         self._flushes: dict[int, tuple[list[int], asyncio.Future[int]]] = {}
         self._replaying: asyncio.Task | None = None
+        self._warming: asyncio.Task | None = None
+        # prefixes this worker pinned (POST /warm_prefixes; worker 0 also --warm-prefixes), warmed again in a new epoch
+        self.warmed: list[dict] = (
+            [{"prompt": p} if isinstance(p, str) else {"ids": p} for p in serve.warm_prefixes] if self.worker == 0 else []
+        )
         self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
         await self.runner.setup()
         await web.TCPSite(self.runner, serve.host, serve.port, reuse_port=True).start()
@@ -95,6 +104,8 @@ class ApiWorker(Actor):
             self._replaying.cancel()
         # the snapshot is taken now: a request submitted from here on is already of the new epoch
         self._replaying = loop.create_task(self._replay(list(self.live), epoch), name="replay") if self.live else None
+        if self.warmed:
+            self._warming = loop.create_task(self._warm_again(), name="warm-again")
 
     def on_tick(self) -> None:
         """A tokenizer restart within the epoch: submit again what it may have held, and ping (so may a ping)."""
@@ -123,6 +134,8 @@ class ApiWorker(Actor):
 
     async def run(self) -> None:
         pinger = asyncio.create_task(self._ping(), name="ping")
+        if self.warmed:
+            self._warming = asyncio.create_task(self._warm_again(), name="warm-up")
         try:
             while True:
                 _, frame = await self.next_frame()
@@ -189,7 +202,17 @@ class ApiWorker(Actor):
         rid = make_rid(self.worker, next(self._counter))
         if meta["params"]["seed"] is None:  # picked here, so that a replay samples the same tokens
             meta["params"]["seed"] = random.getrandbits(63)
-        submit = Submit(meta["params"], Detok(**meta["detok"]), meta["trace"], meta["messages"], meta["prompt"], ids)
+        submit = Submit(
+            meta["params"],
+            Detok(**meta["detok"]),
+            meta["trace"],
+            meta["messages"],
+            meta["prompt"],
+            ids,
+            guide=meta["guide"],
+            template=meta["template"],
+            pin=meta.get("pin", False),
+        )
         self.live[rid] = LiveRequest(submit, inbox)
         self.slot["gauges"][ApiGauge.LIVE] = len(self.live)
         try:
@@ -206,21 +229,63 @@ class ApiWorker(Actor):
             self._forget(rid)
             await self.send("tokenizer", Abort(), rid)
 
-    async def flush_cache(self) -> int:
+    async def flush_cache(self, unpin: bool = False) -> int:
         rid = make_rid(self.worker, next(self._counter))
         flushed = asyncio.get_running_loop().create_future()
         self._flushes[rid] = ([], flushed)
+        if unpin:
+            self.warmed = []
         try:
-            await self.send("tokenizer", FlushCache(), rid)
+            await self.send("tokenizer", FlushCache(unpin=unpin), rid)
             return await asyncio.wait_for(flushed, FLUSH_TIMEOUT_S)
         except TimeoutError:
             raise ApiError("the prefix cache flush was lost in a restart of the pipeline; flush again", 503, kind="server_error") from None
         finally:
             self._flushes.pop(rid, None)
 
+    async def warm(self, prefixes: list[dict]) -> list[dict]:
+        """Each prefix runs as a one-token greedy request marked to pin its prompt in the prefix cache;
+        this worker warms them again after a restart of the pipeline (which empties the cache)."""
+        inbox: asyncio.Queue = asyncio.Queue()
+        rids = []
+        for i, prefix in enumerate(prefixes):
+            meta = {
+                "params": {**WARM_PARAMS},
+                "detok": {"stop": [], "skip_special_tokens": True, "top_logprobs": 0},
+                "trace": f"warm-{self.worker}-{i}",
+                "messages": None,
+                "prompt": prefix.get("prompt"),
+                "guide": None,
+                "template": None,
+                "pin": True,
+            }
+            rids.append(await self.submit(meta, prefix.get("ids"), inbox))
+        usages: dict[int, dict] = {}
+        while len(usages) < len(rids):
+            delta = await inbox.get()
+            if "error" in delta:
+                raise ApiError(delta["error"]["message"], delta["error"]["status"], param="prefixes")
+            if delta["finish"] is not None:
+                usages[delta["rid"]] = delta["usage"]
+        self.warmed += [p for p in prefixes if p not in self.warmed]
+        log.info("prefixes_warmed", prefixes=len(prefixes), pinned=len(self.warmed))
+        return [
+            {"prompt_tokens": u["prompt_tokens"], "pinned_tokens": u["prompt_tokens"] // self.page_size * self.page_size}
+            for u in (usages[rid] for rid in rids)
+        ]
+
+    async def _warm_again(self) -> None:
+        """The start-up prefixes once the pipeline answers; after a new epoch, what this worker had warmed."""
+        while not self.healthy():
+            await asyncio.sleep(0.05)
+        try:
+            await self.warm(list(self.warmed))
+        except ApiError as exc:
+            log.error("prefix_warm_up_failed", error=exc.message)
+
     def limits(self) -> Limits:
         token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
-        return Limits(self.max_model_len, self.vocab_size, token_bytes, self.priorities)
+        return Limits(self.max_model_len, self.vocab_size, token_bytes, self.priorities, self.tool_call_parser, self.reasoning_parser)
 
     def healthy(self) -> bool:
         ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining

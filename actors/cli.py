@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import os
 import sys
+from pathlib import Path
 
 import orjson
 
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
 from actors.pipeline import ServeConfig, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
+from api.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, EngineConfig, device_defaults
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
@@ -109,13 +111,16 @@ def serve(args: argparse.Namespace) -> int:
             dp_policy=args.dp_policy,
             warm_spares=args.warm_spares,
             api_keys=tuple(args.api_key or ()) + ((key,) if (key := os.environ.get(API_KEY_ENV)) else ()),
+            tool_call_parser=args.tool_call_parser,
+            reasoning_parser=args.reasoning_parser,
+            warm_prefixes=tuple(orjson.loads(args.warm_prefixes.read_bytes())) if args.warm_prefixes else (),
         )
         if engine.tensor_parallel_size > 1 or config.data_parallel_size > 1:  # torch only for a split or replicas
             from runtime.config import ModelConfig
             from runtime.distributed import check_parallel
 
             check_parallel(ModelConfig.load(model_dir), engine, config.data_parallel_size)
-    except ValueError as exc:  # before any process starts
+    except (ValueError, OSError) as exc:  # before any process starts (OSError: an unreadable --warm-prefixes)
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
     supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
@@ -180,6 +185,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     s.add_argument("--port", type=int, default=8000)
     s.add_argument("--api-workers", type=int, default=1, help="HTTP worker processes sharing the port")
+    s.add_argument(
+        "--tool-call-parser",
+        choices=TOOL_CALL_PARSERS,
+        default="hermes",
+        help="how the model writes tool calls: hermes and qwen3 <tool_call> tags (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3)",
+    )
+    s.add_argument(
+        "--warm-prefixes",
+        type=Path,
+        help="a JSON list of prefixes (texts or token-id lists) prefilled at start-up and pinned in the prefix cache, as "
+        "POST /warm_prefixes does",
+    )
+    s.add_argument(
+        "--reasoning-parser",
+        choices=tuple(REASONING_PARSERS),
+        help="set <think>...</think> apart as reasoning_content (qwen3, deepseek_r1)",
+    )
     engine, cuda, cpu = EngineConfig, device_defaults("cuda"), device_defaults("cpu")
     by_device = lambda name: f"default: {cuda[name]} on CUDA, {cpu[name]} on CPU"  # noqa: E731
     s.add_argument("--page-size", type=int, default=engine.page_size)

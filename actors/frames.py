@@ -56,9 +56,21 @@ class Submit(Payload):
     prompt: str | None
     ids: list[int] | None = None  # token ids the client sent instead of text
     generated: list[int] = field(default_factory=list)
+    guide: tuple[str, str] | None = None  # what the output is held to (api.guides): the tokenizer builds its grammar
+    template: dict[str, Any] | None = None  # the chat template's options (api.protocol.Completion.template)
+    pin: bool = False  # a prefix warm-up: its prompt's pages stay in the prefix cache until unpinned
 
     def to_wire(self) -> Wire:
-        meta = {"params": self.params, "detok": self.detok, "trace": self.trace, "messages": self.messages, "prompt": self.prompt}
+        meta = {
+            "params": self.params,
+            "detok": self.detok,
+            "trace": self.trace,
+            "messages": self.messages,
+            "prompt": self.prompt,
+            "guide": self.guide,
+            "template": self.template,
+            "pin": self.pin,
+        }
         return meta, [self.ids or [], self.generated]
 
     @classmethod
@@ -77,14 +89,15 @@ class Tokenized(Payload):
     trace: str
     prompt_ids: list[int]
     generated: list[int]  # a replay's tokens so far
+    pin: bool = False  # Submit.pin
 
     def to_wire(self) -> Wire:
-        return {"params": self.params, "detok": self.detok, "trace": self.trace}, [self.prompt_ids, self.generated]
+        return {"params": self.params, "detok": self.detok, "trace": self.trace, "pin": self.pin}, [self.prompt_ids, self.generated]
 
     @classmethod
     def from_wire(cls, meta: dict, arrays: list) -> Tokenized:
         prompt_ids, generated = (a.tolist() for a in arrays)
-        return cls(meta["params"], Detok(**meta["detok"]), meta["trace"], prompt_ids, generated)
+        return cls(meta["params"], Detok(**meta["detok"]), meta["trace"], prompt_ids, generated, meta["pin"])
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,8 +261,11 @@ class Ping(Payload):
 
 @dataclass(frozen=True)
 class FlushCache(Payload):
+    """Evict the prefix cache's unpinned pages; or, with `unpin`, release the warmed prefixes' pins."""
+
     KIND = Kind.FLUSH_CACHE
-    pages: int | None = None  # on the way back: the prefix-cache pages evicted
+    pages: int | None = None  # on the way back: the pages evicted, or unpinned
+    unpin: bool = False
 
 
 PAYLOADS: dict[int, type[Payload]] = {

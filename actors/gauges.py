@@ -32,3 +32,5 @@ class SchedulerGauge(IntEnum):
     WAITING = 3
     CACHED_PAGES = 4
     TAKEN = 5  # requests taken in since the process started: the router counts those still on their way
+    PINNED_PREFIXES = 6  # warmed prefixes held in the prefix cache (POST /warm_prefixes, --warm-prefixes)
+    PINNED_PAGES = 7

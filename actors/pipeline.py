@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from actors.gauges import ApiGauge
 from actors.topology import ActorSpec, Edge, Topology
+from api.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from runtime.config import EngineConfig
 from runtime.scheduler.router import POLICIES
 
@@ -33,6 +34,9 @@ class ServeConfig:
     dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
     warm_spares: bool = True  # a ready tokenizer, scheduler, detokenizer (and engine on CPU) wait, idle, to replace one that dies
     api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them opens the API; none: it is open to all
+    tool_call_parser: str = "hermes"  # how the model writes tool calls (api.chat_output)
+    reasoning_parser: str | None = None  # how it sets its reasoning apart: qwen3, deepseek_r1, or none
+    warm_prefixes: tuple[str | list[int], ...] = ()  # pinned in the prefix cache at start-up (--warm-prefixes FILE)
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -42,6 +46,12 @@ class ServeConfig:
             raise ValueError(f"stats_interval must be more than 0 seconds, not {self.stats_interval}")
         if self.dp_policy not in POLICIES:
             raise ValueError(f"dp_policy must be one of {', '.join(POLICIES)}, not {self.dp_policy!r}")
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {self.tool_call_parser!r}")
+        if not all(p and (isinstance(p, str) or isinstance(p, list) and all(type(t) is int for t in p)) for p in self.warm_prefixes):
+            raise ValueError("warm_prefixes must be a list of non-empty texts or token-id lists")
+        if self.reasoning_parser not in (None, *REASONING_PARSERS):
+            raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
 
 
 def api_worker_names(config: ServeConfig) -> list[str]:

@@ -173,7 +173,7 @@ class SchedulerActor(Actor):
                     return
                 self.slot["gauges"][SchedulerGauge.TAKEN] += 1  # requests taken in, for the router: a restart counts on
                 try:
-                    request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated)
+                    request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated, pin=req.pin)
                 except ValueError as exc:
                     await self._refuse(rid, Refusal(str(exc)))
                     return
@@ -190,8 +190,8 @@ class SchedulerActor(Actor):
                 self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
             case Ping() as ping:
                 await self.send(self.engines[0] if peer == "tokenizer" else "detokenizer", ping, rid)
-            case FlushCache():
-                pages = self.core.flush_cache()
+            case FlushCache(unpin=unpin):
+                pages = self.core.unpin_prefixes() if unpin else self.core.flush_cache()
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
             case Abort():
@@ -330,6 +330,7 @@ class SchedulerActor(Actor):
         gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, core.allocator.num_pages
         gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
         gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
+        gauges[SchedulerGauge.PINNED_PREFIXES], gauges[SchedulerGauge.PINNED_PAGES] = len(core.pins), core.pinned_pages
         self.m_running.set(len(core.running))
         self.m_waiting.set(len(core.waiting))
         self.m_kv_usage.set(used / core.allocator.num_pages)

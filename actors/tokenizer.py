@@ -6,6 +6,9 @@ replayed request is encoded again (encoding is deterministic) and keeps the toke
 Under data parallelism it places each encoded request on a replica (actors.replicas); aborts, pings
 and flushes go to every replica.
 
+A request with an output constraint (a guide) has its grammar built in a thread of its own
+(runtime.structured.grammars, cached by guide); a bad guide is refused here with a 400.
+
 Each frame is decoded as it is received, since the next receive hands its space back to the
 writer. Long prompts go to a lane of their own (a thread with its own tokenizer, whose Rust core
 runs without the GIL), so short prompts, pings and aborts never wait behind them; a prompt whose
@@ -32,6 +35,7 @@ from actors.replicas import Replicas
 from api.protocol import context_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
+from runtime.structured.grammars import GuideError, build_grammar
 from runtime.text.fast_encode import Encode, encode_with_transformers, fast_encoder
 from runtime.text.prompt_length import encode_unless_longer, max_token_bytes
 from transport.ring import Frame
@@ -73,7 +77,8 @@ class TokenizerActor(Actor):
         self.lane_tokenizer = load_tokenizer(serve.model_dir, required=True)
         self.lane_encode = _encoder(self.lane_tokenizer)
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="long-prompts")
-        self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits or encodes
+        self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits, encodes or builds its grammar
+        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammars")
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
         self.slot["gauges"][TokenizerGauge.TOKEN_BYTES] = max_token_bytes(self.tokenizer)  # the api workers' length bound
@@ -84,6 +89,7 @@ class TokenizerActor(Actor):
 
     async def teardown(self) -> None:
         self.lane.shutdown(wait=False, cancel_futures=True)
+        self.grammar_lane.shutdown(wait=False, cancel_futures=True)
 
     async def run(self) -> None:
         while True:
@@ -171,15 +177,35 @@ class TokenizerActor(Actor):
             await self._refuse(sub, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
         elif message := context_overflow(limit, len(ids), params["max_tokens"]):
             await self._refuse(sub, message, param="max_tokens")
-        else:  # the prompt's text stays here
+        elif req.guide is None or (params := await self._with_grammar(sub, params)) is not None:  # the prompt's text stays here
             scheduler = self.replicas.place(ids)
-            await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated), sub.rid, epoch=sub.epoch)
+            await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
+
+    async def _with_grammar(self, sub: Submission, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The params with the guide's grammar; None when it was refused, or aborted while it was built."""
+        key = (sub.rid, sub.epoch)
+        self.in_lane[key] = False
+        try:
+            grammar = await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *sub.req.guide)
+        except GuideError as exc:
+            if not self.in_lane.pop(key, True):
+                await self._refuse(sub, str(exc))
+            return None
+        return None if self.in_lane.pop(key, True) else {**params, "grammar": grammar}
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:
-        if req.messages is not None:
-            return tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-        return req.prompt
+        if req.messages is None:
+            return req.prompt
+        options = req.template or {"tools": None, "kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
+        return tokenizer.apply_chat_template(
+            req.messages,
+            tools=options["tools"],
+            add_generation_prompt=options["add_generation_prompt"],
+            continue_final_message=options["continue_final_message"],
+            tokenize=False,
+            **options["kwargs"],
+        )
 
     async def _refuse(self, sub: Submission, message: str, param: str | None = None) -> None:
         await self.send(self.replicas.any_live(), Refusal(message, 400, param), sub.rid, epoch=sub.epoch)

@@ -16,7 +16,9 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.protocol import ApiError, Completion, Limits, choice, envelope, logprobs_block, parse, usage
+from api.chat_output import ChatOutput
+from api.errors import ApiError
+from api.protocol import Completion, Limits, choice, envelope, logprobs_block, parse, parse_prefixes, usage
 from runtime.obs.metrics import exposition, metrics
 
 if TYPE_CHECKING:  # prometheus_client is imported by runtime.obs.metrics, once its storage is set
@@ -51,8 +53,13 @@ class Gateway(Protocol):
 
     async def abort(self, rid: int) -> None: ...
 
-    async def flush_cache(self) -> int:
-        """Evict every prefix-cache page that no request holds; returns how many."""
+    async def flush_cache(self, unpin: bool = False) -> int:
+        """Evict every prefix-cache page that no request holds (or, with `unpin`, release the warmed
+        prefixes' pins); returns how many pages."""
+        ...
+
+    async def warm(self, prefixes: list[dict]) -> list[dict]:
+        """Prefill each prompt into the prefix cache and pin it there; each one's prompt and pinned tokens."""
         ...
 
     def healthy(self) -> bool: ...
@@ -165,6 +172,7 @@ class ChoiceState:
     token_chars: int = 0  # length of the token texts so far: where the next logprob's text_offset starts
     first_token_s: float | None = None
     last_token_at: float = 0.0
+    output: ChatOutput | None = None  # a streamed chat choice's reasoning and tool-call parsers
 
 
 @dataclass(frozen=True)
@@ -222,6 +230,12 @@ class Handlers:
         self._seen_ids: OrderedDict[str, None] = OrderedDict()  # the newest REMEMBERED_IDS client ids
         self._suffixes = itertools.count(1)
 
+    async def _body(self, request: web.Request) -> object:
+        try:
+            return orjson.loads(await _read_body(request, self.gateway.body_timeout))
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
+
     def _request_id(self, request: web.Request, c: Completion) -> str:
         """The client's X-Request-Id, with a suffix when this worker has seen it recently (a
         reused id would merge two requests' traces); else the id of the response body. The
@@ -246,11 +260,7 @@ class Handlers:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
-        try:
-            body = orjson.loads(await _read_body(request, self.gateway.body_timeout))
-        except orjson.JSONDecodeError as exc:
-            raise ApiError(f"the body is not valid JSON in UTF-8: {exc}") from None
-        c = parse(body, chat, self.gateway.served_model, self.gateway.limits())
+        c = parse(await self._body(request), chat, self.gateway.served_model, self.gateway.limits())
         rid = self._request_id(request, c)
         try:
             self.gateway.check_capacity(len(c.prompts) * c.n)
@@ -275,8 +285,11 @@ class Handlers:
                         "trace": trace,
                         "messages": prompt.get("messages"),
                         "prompt": prompt.get("prompt"),
+                        "guide": c.guide,
+                        "template": c.template,
                     }
-                    choices[await self.gateway.submit(meta, prompt.get("ids"), inbox)] = ChoiceState(index, trace)
+                    state = ChoiceState(index, trace, output=self._chat_output(c) if c.stream else None)
+                    choices[await self.gateway.submit(meta, prompt.get("ids"), inbox)] = state
             if c.stream:
                 return await self._stream(request, c, inbox, choices, clock)
             while any(s.finish is None for s in choices.values()):
@@ -304,6 +317,24 @@ class Handlers:
         clock.on_delta(state, delta)
         return state
 
+    def _chat_output(self, c: Completion) -> ChatOutput | None:
+        """The parsers a chat choice's text goes through, if the server or the request asks for any."""
+        limits = self.gateway.limits()
+        tool_parser = limits.tool_call_parser if c.tools is not None and c.tools.choice != "none" else None
+        return ChatOutput(limits.reasoning_parser, tool_parser) if c.chat and (tool_parser or limits.reasoning_parser) else None
+
+    @staticmethod
+    def _parsed(output: ChatOutput | None, text: str, finish: str | None, stream: bool) -> tuple[str, dict | None, str | None]:
+        """The choice's content, its other message fields and its finish reason, `text` read by `output`."""
+        if output is None:
+            return text, None, finish
+        parts = output.feed(text, final=finish is not None)
+        content = parts.pop("content")
+        if not stream and "tool_calls" in parts:  # a whole message's calls carry no index, and content only if there is some
+            parts["tool_calls"] = [{k: v for k, v in call.items() if k != "index"} for call in parts["tool_calls"]]
+            content = content.strip() or None
+        return content, parts, "tool_calls" if finish == "stop" and output.calls else finish
+
     def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         states = list(choices.values())
         firsts = [s for s in states if s.index % c.n == 0]  # a prompt counts once, however many choices
@@ -317,7 +348,8 @@ class Handlers:
         out = []
         for s in sorted(choices.values(), key=lambda s: s.index):
             logprobs = logprobs_block(c.chat, s.logprobs, 0) if c.logprobs is not None else None
-            out.append(choice(c, s.index, "".join(s.text), s.finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False))
+            text, parts, finish = self._parsed(self._chat_output(c), "".join(s.text), s.finish, stream=False)
+            out.append(choice(c, s.index, text, finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False, parts=parts))
         return {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
 
     async def _stream(
@@ -335,8 +367,9 @@ class Handlers:
                 chunk = envelope(c, chunk=True)
                 logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
+                text, parts, finish = self._parsed(state.output, delta["text"], state.finish, stream=True)
                 chunk["choices"] = [
-                    choice(c, state.index, delta["text"], state.finish, logprobs, token_ids, delta=True, first=not state.started)
+                    choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=not state.started, parts=parts)
                 ]
                 state.started = True
                 if c.include_usage:
@@ -392,8 +425,16 @@ class Handlers:
         return _json(self.gateway.server_info())
 
     async def flush_cache(self, request: web.Request) -> web.Response:
-        """SGLang's admin route: benchmarks run the same prompts again on a cold cache."""
+        """SGLang's admin route: benchmarks run the same prompts again on a cold cache (warmed prefixes stay)."""
         return _json({"flushed_pages": await self.gateway.flush_cache()})
+
+    async def warm_prefixes(self, request: web.Request) -> web.Response:
+        """Prefill prefixes into the prefix cache and pin them there until DELETE /warm_prefixes."""
+        body = await self._body(request)
+        return _json({"prefixes": await self.gateway.warm(parse_prefixes(body, self.gateway.limits()))})
+
+    async def unpin_prefixes(self, request: web.Request) -> web.Response:
+        return _json({"unpinned_pages": await self.gateway.flush_cache(unpin=True)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = exposition()
@@ -438,6 +479,8 @@ def build_app(gateway: Gateway) -> web.Application:
             web.get("/server_info", h.server_info),
             web.get("/metrics", h.metrics),
             web.post("/flush_cache", h.flush_cache),
+            web.post("/warm_prefixes", h.warm_prefixes),
+            web.delete("/warm_prefixes", h.unpin_prefixes),
         ]
     )
     return app

@@ -11,6 +11,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
+
+from api.errors import ApiError
+from api.guides import Guide, Tools, guide_of, tool_guide, tools_of
 from runtime.text.prompt_length import text_bytes
 
 MAX_N = 64
@@ -20,36 +24,13 @@ MAX_STOP_CHARS = 256  # of one stop string: the detokenizer holds back up to thi
 MAX_STOP_TOKEN_IDS = 256
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 # fields that change the output, refused with a 400 unless left at their no-op value: never accepted and ignored
-UNSUPPORTED = {
-    "echo": False,
-    "best_of": 1,
-    "suffix": None,
-    "logit_bias": {},
-    "tools": [],
-    "response_format": {"type": "text"},
-    "structured_outputs": None,
-    "guided_json": None,
-    "guided_regex": None,
-    "guided_choice": None,
-    "guided_grammar": None,
-    "regex": None,
-    "json_schema": None,
-    "chat_template_kwargs": {},
-    "continue_final_message": False,
-    "add_generation_prompt": True,
-    "prompt_logprobs": None,
-}
-
-
-class ApiError(Exception):
-    def __init__(
-        self, message: str, status: int = 400, param: str | None = None, code: str | None = None, kind: str = "invalid_request_error"
-    ) -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.code, self.kind = message, status, param, code, kind
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "prompt_logprobs": None}
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
+MAX_WARM_PREFIXES = 64  # in one POST /warm_prefixes
+# what the chat template takes, refused on /v1/completions rather than ignored
+CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+# chat_template_kwargs may not override what the server passes the template itself
+TEMPLATE_OWN = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template"}
 
 
 @dataclass(frozen=True)
@@ -61,6 +42,8 @@ class Limits:
     vocab_size: int
     max_token_bytes: int  # the longest token's UTF-8 bytes (0: not known yet)
     priorities: bool = False  # the priority schedule policy: requests may carry a 'priority'
+    tool_call_parser: str = "hermes"  # how tool calls are written (api.tool_calls), and forced ones held to it
+    reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.reasoning)
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -91,6 +74,9 @@ class Completion:
     logprobs: int | None = None  # top-N per token; 0 asks for the chosen token's only
     echo_token_ids: bool = False
     skip_special_tokens: bool = True
+    guide: Guide | None = None  # what the output is held to (api.guides)
+    tools: Tools | None = None
+    template: dict[str, Any] | None = None  # the chat template's options: tools, kwargs, add_generation_prompt, continue_final_message
     id: str = field(default_factory=lambda: uuid.uuid4().hex)
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -163,8 +149,53 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
-        out.append({"role": message["role"], "content": content})
+        out.append({"role": message["role"], "content": content, **_tool_fields(i, message)})
     return out
+
+
+def _tool_fields(i: int, message: dict) -> dict:
+    """An assistant's tool calls (arguments as objects, which templates expect) and a tool result's call id."""
+    if message["role"] == "tool":
+        call_id = message.get("tool_call_id")
+        if not isinstance(call_id, str | None):
+            raise ApiError(f"messages[{i}].tool_call_id must be a string", param=f"messages[{i}].tool_call_id")
+        return {"tool_call_id": call_id} if call_id is not None else {}
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not calls:
+        return {}
+    out = []
+    for call in calls if isinstance(calls, list) else [None]:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+            raise ApiError(
+                f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
+                param=f"messages[{i}].tool_calls",
+            )
+        try:
+            arguments = orjson.loads(function["arguments"])
+        except orjson.JSONDecodeError:
+            arguments = function["arguments"]
+        out.append({"id": call.get("id"), "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return {"tool_calls": out}
+
+
+def _template(body: dict, messages: list[dict], tools: Tools | None) -> dict[str, Any]:
+    kwargs = _get(body, "chat_template_kwargs", (dict,), default={})
+    if own := sorted(TEMPLATE_OWN & kwargs.keys()):
+        raise ApiError(f"'chat_template_kwargs' may not set {', '.join(own)}", param="chat_template_kwargs")
+    generation_prompt = _get(body, "add_generation_prompt", (bool,), default=True)
+    continue_final = _get(body, "continue_final_message", (bool,), default=False)
+    if continue_final and (generation_prompt or messages[-1]["role"] != "assistant"):
+        raise ApiError(
+            "'continue_final_message' continues a final assistant message, and needs 'add_generation_prompt': false",
+            param="continue_final_message",
+        )
+    return {
+        "tools": tools.tools if tools else None,
+        "kwargs": kwargs,
+        "add_generation_prompt": generation_prompt,
+        "continue_final_message": continue_final,
+    }
 
 
 def _prompts(body: dict, limits: Limits) -> list[dict]:
@@ -182,6 +213,21 @@ def _prompts(body: dict, limits: Limits) -> list[dict]:
     )
 
 
+def parse_prefixes(body: Any, limits: Limits) -> list[dict]:
+    """POST /warm_prefixes: {"prefixes": [text or token ids, ...]}, each a prompt of its own."""
+    prefixes = body.get("prefixes") if isinstance(body, dict) else None
+    if not isinstance(prefixes, list) or not 0 < len(prefixes) <= MAX_WARM_PREFIXES:
+        raise ApiError(f"the body must be {{'prefixes': [text or token ids, ...]}} with 1 to {MAX_WARM_PREFIXES} of them", param="prefixes")
+    out = []
+    for prefix in prefixes:
+        (prompt,) = _prompts({"prompt": prefix}, limits) if isinstance(prefix, str) or _is_id_list(prefix, limits.vocab_size) else [None]
+        if prompt is None or not prefix:
+            raise ApiError("each prefix must be a non-empty string or list of token ids in the vocabulary", param="prefixes")
+        _check_prompt_size(prompt, 1, limits)
+        out.append(prompt)
+    return out
+
+
 def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completion:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
@@ -197,8 +243,15 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
-    if body.get("tool_choice") not in (None, "none", "auto"):  # with no tools (refused above), only a no-op choice
-        raise ApiError("'tool_choice' names a tool or requires one, but no 'tools' are given", param="tool_choice")
+    if not chat and (given := [name for name in CHAT_ONLY if body.get(name) is not None]):
+        raise ApiError(f"'{given[0]}' is for chat completions (/v1/chat/completions)", param=given[0])
+    guide, tools = guide_of(body), tools_of(body)  # completions have no tools: refused above
+    if tools is not None and tools.forced:
+        if guide is not None:
+            raise ApiError(
+                "a required or named 'tool_choice' already constrains the output; drop the other constraint", param="tool_choice"
+            )
+        guide = tool_guide(tools, limits.tool_call_parser, limits.reasoning_parser is not None)
     prompts = [{"messages": _messages(body)}] if chat else _prompts(body, limits)
     positive = dict(check=lambda v: v >= 1, why="must be at least 1")
     max_tokens = _get(body, "max_tokens", (int,), **positive)
@@ -240,6 +293,7 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= 2, "must be in (0, 2]"),
         logprobs=logprobs,
         priority=_get(body, "priority", (int,), 0, lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
+        logit_bias=_logit_bias(body, limits.vocab_size),
     )
     if params["priority"] and not limits.priorities:
         raise ApiError("'priority' needs a server started with --schedule-policy priority", param="priority")
@@ -255,7 +309,27 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         logprobs=logprobs,
         echo_token_ids=_get(body, "return_token_ids", (bool,), False),
         skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
+        guide=guide,
+        tools=tools,
+        template=_template(body, prompts[0]["messages"], tools) if chat else None,
     )
+
+
+def _logit_bias(body: dict, vocab_size: int) -> list[list]:
+    """OpenAI's {"token id": bias}: ids in the vocabulary, biases in [-100, 100], added to the logits."""
+    bias = _get(body, "logit_bias", (dict,), default={})
+    out = []
+    for key, value in bias.items():
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not (key.isdigit() and int(key) < vocab_size and number and abs(value) <= 100):
+            raise ApiError(
+                f"'logit_bias' maps token ids below the vocabulary's {vocab_size} to biases in [-100, 100]; not {key!r}: {value!r}",
+                param="logit_bias",
+            )
+        out.append([int(key), float(value)])
+    if len(out) > MAX_LOGIT_BIAS:
+        raise ApiError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
+    return sorted(out)
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -316,9 +390,13 @@ def choice(
     token_ids: list[int] | None,
     delta: bool,
     first: bool = False,
+    parts: dict | None = None,
 ) -> dict:
+    """One choice of a response or a chunk; `parts`: a chat message's other fields (reasoning_content, tool_calls)."""
     if c.chat:
         body = {"content": text} if delta else {"role": "assistant", "content": text}
+        if parts:
+            body.update(parts)
         if delta and first:
             body = {"role": "assistant", **body}
         out = {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}

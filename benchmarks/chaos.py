@@ -8,7 +8,8 @@ every stream with the reference. The last line printed is one JSON object:
     requests, completed, mismatched, lost, kills{kind: n}, promoted{kind: kills answered by a warm spare},
     recovery_ms_p50, recovery_ms_max, longest_pause_ms{kind: the longest a stream in flight waited across a kill},
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
-    leaked_segments, orphans
+    leaked_segments, orphans, and with --guided invalid_json (constrained streams that do not open
+    with an object of GUIDE_SCHEMA)
 
 recovery_ms runs from a kill to the next token of a stream that was in flight at the kill.
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import json
 import os
 import random
 import signal
@@ -43,6 +45,13 @@ from transport.segment import list_segments, server_prefix
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
 MAX_ROUNDS_PER_KILL = 10  # loads tried per kill, should kills keep landing too late in them
 PROMPT_VOCAB = 512  # prompt token ids stay below this, so that tiny test models serve them too
+# --guided: every third stream is held to this schema (and goes on past it, as ignore_eos asks)
+GUIDE_SCHEMA = {
+    "type": "object",
+    "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999}, "ok": {"type": "boolean"}, "tag": {"enum": ["a", "b", "c"]}},
+    "required": ["id", "ok", "tag"],
+    "additionalProperties": False,
+}
 
 
 @dataclass
@@ -55,8 +64,9 @@ class Stream:
     sent: float = 0.0
 
 
-def _bodies(count: int, max_tokens: int, model: str = "chaos") -> list[dict]:
-    """Half greedy, half seeded sampling; prompts of different lengths as token ids."""
+def _bodies(count: int, max_tokens: int, model: str = "chaos", guided: bool = False) -> list[dict]:
+    """Half greedy, half seeded sampling; prompts of different lengths as token ids; `guided`: every
+    third held to GUIDE_SCHEMA."""
     rng = random.Random(0)
     bodies = []
     for i in range(count):
@@ -69,8 +79,27 @@ def _bodies(count: int, max_tokens: int, model: str = "chaos") -> list[dict]:
             "return_token_ids": True,
         }
         body.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": 1000 + i})
+        if guided and i % 3 == 0:
+            body["response_format"] = {"type": "json_schema", "json_schema": {"name": "chaos", "schema": GUIDE_SCHEMA}}
         bodies.append(body)
     return bodies
+
+
+def _opens_with_a_guided_object(text: str) -> bool:
+    """Does the text begin with an object GUIDE_SCHEMA allows (what follows it is ignore_eos's)?"""
+    try:
+        value, _ = json.JSONDecoder().raw_decode(text)
+    except json.JSONDecodeError:
+        return False
+    properties = GUIDE_SCHEMA["properties"]
+    return (
+        isinstance(value, dict)
+        and list(value) == list(properties)
+        and type(value["id"]) is int
+        and 0 <= value["id"] <= 999
+        and type(value["ok"]) is bool
+        and value["tag"] in properties["tag"]["enum"]
+    )
 
 
 class Server:
@@ -270,10 +299,12 @@ async def run(args: argparse.Namespace) -> dict:
                 await wait_healthy(http, 300, server.proc)
             except ServerExited as exc:
                 raise SystemExit(f"{exc}; its log ({server.log}) ends:\n{server.last_errors()}") from None
-            bodies = _bodies(args.requests, args.max_tokens)
+            bodies = _bodies(args.requests, args.max_tokens, guided=args.guided)
             reference = await _load(http, bodies)
             if failed := [s.error for s in reference if s.error or s.finish is None]:
                 raise RuntimeError(f"the fault-free load failed: {failed[:3]}")
+            if args.guided:
+                summary["invalid_json"] = 0
             sig = signal.SIGSTOP if args.signal == "stop" else signal.SIGKILL
             for kind in args.kinds:
                 done, kind_recoveries, kind_pauses = 0, [], []
@@ -285,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict:
                     summary["promoted"][kind] = summary["promoted"].get(kind, 0) + promoted
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
                     kind_pauses += [ms for killed_at, _ in kill_times if (ms := _longest_pause_ms(streams, killed_at)) is not None]
-                    for got, want in zip(streams, reference):
+                    for got, want, body in zip(streams, reference, bodies):
                         summary["requests"] += 1
                         if got.error or got.finish is None:
                             summary["lost"] += 1
@@ -293,6 +324,8 @@ async def run(args: argparse.Namespace) -> dict:
                             summary["mismatched"] += 1
                         else:
                             summary["completed"] += 1
+                        if "response_format" in body and not _opens_with_a_guided_object(got.text):
+                            summary["invalid_json"] += 1
                     await wait_healthy(http, 120, server.proc)
                 summary["kills"][kind] = done
                 recoveries += kind_recoveries
@@ -326,6 +359,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--guided", action="store_true", help="hold every third stream to a JSON schema (structured output)")
     parser.add_argument("--out", type=Path, help="also append the summary, with the command, to this JSON file")
     parser.add_argument("serve_args", nargs="*", help="more `ringllm serve` flags, after --")
     args = parser.parse_args(argv)

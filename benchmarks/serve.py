@@ -179,6 +179,7 @@ def request_body(args: argparse.Namespace, model: str, prompt: Prompt) -> dict:
     }
     if args.ignore_eos:
         body["ignore_eos"] = True
+    body.update(args.extra_body)
     if args.endpoint == "chat":
         return {**body, "messages": [{"role": "user", "content": prompt.text}]}
     return {**body, "prompt": prompt.text}
@@ -425,6 +426,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="seeds the prompts and the arrival times")
     p.add_argument("--ignore-eos", action="store_true", help="send ignore_eos, so every request makes its output length")
     p.add_argument("--temperature", type=float, default=0.0, help="(default: 0, greedy)")
+    p.add_argument(
+        "--extra-body",
+        type=orjson.loads,
+        default={},
+        help="a JSON object of fields added to every request, e.g. a response_format (as vLLM's --extra-body)",
+    )
     p.add_argument("--request-rate", type=float, default=math.inf, help="requests/s, Poisson arrivals (default: inf, all at once)")
     p.add_argument(
         "--burstiness",

@@ -22,9 +22,12 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     priority: int = 0  # under the priority schedule policy, lower goes first (as vLLM)
+    grammar: str | None = None  # an xgrammar grammar, serialized (runtime.structured): draws keep to it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits, as OpenAI's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
         checks = {
             "max_tokens must be >= 1": self.max_tokens >= 1,
             "temperature must be >= 0": self.temperature >= 0,
@@ -35,6 +38,7 @@ class SamplingParams:
             "frequency_penalty must be in [-2, 2]": -2 <= self.frequency_penalty <= 2,
             "repetition_penalty must be > 0": self.repetition_penalty > 0,
             "logprobs must be >= 0": self.logprobs is None or self.logprobs >= 0,
+            "logit_bias must be in [-100, 100]": all(-100 <= b <= 100 for _, b in self.logit_bias),
         }
         if failed := [message for message, ok in checks.items() if not ok]:
             raise ValueError("; ".join(failed))

@@ -209,13 +209,20 @@ class Server:
     def base_url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def get(self, path: str) -> dict:
+    def get(self, path: str, headers: dict[str, str] | None = None) -> dict:
         """The JSON body of a GET, whatever its status (a 503 from /health is an answer too)."""
+        return self.call("GET", path, headers=headers)
+
+    def call(self, method: str, path: str, body: object = None, headers: dict[str, str] | None = None) -> dict:
+        """The JSON body of any request (a JSON body, if given), whatever its status."""
         import urllib.error
         import urllib.request
 
+        data = None if body is None else orjson.dumps(body)
+        headers = {**(headers or {}), **({"Content-Type": "application/json"} if data is not None else {})}
+        request = urllib.request.Request(self.base_url + path, data=data, headers=headers, method=method)
         try:
-            with urllib.request.urlopen(self.base_url + path, timeout=30) as reply:
+            with urllib.request.urlopen(request, timeout=30) as reply:
                 return orjson.loads(reply.read())
         except urllib.error.HTTPError as reply:
             return orjson.loads(reply.read())

@@ -14,10 +14,11 @@ import openai
 import orjson
 import pytest
 
-from tests.conftest import Server, launch, with_tokenizer
+from tests.conftest import Server, launch, ringllm, wait_for, with_tokenizer
 
 KEYS = ("sk-first-key", "sk-second-key")
 ENV_KEY = "sk-from-the-environment"
+STARTUP_PREFIX = list(range(100, 140))  # 40 tokens: two whole pages of 16 pinned
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +26,10 @@ def keyed(tiny_model, smollm2, tmp_path_factory) -> Iterator[Server]:
     folder = tmp_path_factory.mktemp("keyed")
     model = with_tokenizer(tiny_model("llama"), smollm2, folder / "model")
     os.environ["RINGLLM_API_KEY"] = ENV_KEY  # the server inherits it
+    (folder / "prefixes.json").write_bytes(orjson.dumps([STARTUP_PREFIX]))
     try:
-        server = launch(model, folder / "serve.log", "--api-key", KEYS[0], "--api-key", KEYS[1])
+        keys = ("--api-key", KEYS[0], "--api-key", KEYS[1])
+        server = launch(model, folder / "serve.log", *keys, "--warm-prefixes", str(folder / "prefixes.json"))
     finally:
         del os.environ["RINGLLM_API_KEY"]
     yield server
@@ -80,3 +83,34 @@ async def test_server_info_with_a_key_shows_no_key(keyed):
             info = await reply.read()
     assert reply.status == 200 and orjson.loads(info)
     assert not any(key.encode() in info for key in (*KEYS, ENV_KEY))
+
+
+def _cached(server: Server, prompt: list[int]) -> int:
+    answer = client(server, KEYS[0]).completions.create(model=server.model, prompt=prompt, max_tokens=1)
+    return answer.usage.prompt_tokens_details.cached_tokens
+
+
+def test_warmed_prefixes_stay_cached_through_flushes_until_unpinned(keyed):
+    """--warm-prefixes at start-up and POST /warm_prefixes pin prefixes: a later prompt that starts with one
+    reports its whole pages in cached_tokens, even after /flush_cache, and after a restart that empties
+    the cache; DELETE /warm_prefixes lets them go. Both routes need a key."""
+    headers = {"Authorization": f"Bearer {KEYS[0]}"}
+    wait_for(lambda: keyed.get("/server_info", headers)["scheduler"]["pinned_prefixes"] == 1, 30, "the start-up prefix")
+    posted = list(range(200, 250))
+    answer = keyed.call("POST", "/warm_prefixes", {"prefixes": [posted, list(range(300, 320))]}, headers)
+    assert answer["prefixes"] == [{"prompt_tokens": 50, "pinned_tokens": 48}, {"prompt_tokens": 20, "pinned_tokens": 16}]
+    assert keyed.get("/server_info", headers)["scheduler"]["pinned_prefixes"] == 3
+    keyed.call("POST", "/flush_cache", {}, headers)
+    assert _cached(keyed, [*STARTUP_PREFIX, 7, 8, 9]) == 32 and _cached(keyed, [*posted, 7]) == 48
+    rows = orjson.loads(ringllm("status", "--json", "--port", str(keyed.port)).stdout)
+    warm_ups = keyed.log.read_bytes().count(b'"prefixes_warmed"')
+    os.kill(next(row["pid"] for row in rows if row["name"] == "scheduler"), signal.SIGKILL)  # a new epoch, and an empty cache
+    wait_for(lambda: keyed.log.read_bytes().count(b'"prefixes_warmed"') > warm_ups, 60, "the api worker to warm its prefixes again")
+    assert keyed.get("/server_info", headers)["scheduler"]["pinned_prefixes"] == 3
+    assert _cached(keyed, [*posted, 7]) == 48
+    assert keyed.call("DELETE", "/warm_prefixes", None, {})["error"]["code"] == "invalid_api_key"
+    assert keyed.call("DELETE", "/warm_prefixes", None, headers)["unpinned_pages"] == 2 + 3 + 1
+    keyed.call("POST", "/flush_cache", {}, headers)
+    assert _cached(keyed, [*posted, 7]) == 0 and keyed.get("/server_info", headers)["scheduler"]["pinned_pages"] == 0
+    bad = keyed.call("POST", "/warm_prefixes", {"prefixes": [[100000]]}, headers)
+    assert bad["error"]["param"] == "prefixes"

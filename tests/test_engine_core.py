@@ -219,6 +219,18 @@ def test_filters_apply_in_order_top_k_then_top_p_then_min_p():
     assert kept([0.3, 0.25, 0.2, 0.15, 0.1], top_k=3) == [0, 1, 2]
 
 
+def test_the_gumbel_draw_never_takes_a_token_whose_logit_is_minus_infinity():
+    """Seed 3562 at position 7 hashes token 131 to all ones in its top 24 bits: a uniform made of 24
+    bits rounds that to 1.0 in fp32, whose noise is +inf, and the masked token would be drawn."""
+    from runtime.engine.sampling import SampleRow, gumbel_noise, row_keys, sample
+
+    logits = torch.zeros(1, 4096)
+    logits[0, 131] = float("-inf")
+    drawn = sample(logits, [SampleRow(SamplingParams(temperature=1.0), 3562, 7, [], [])])
+    assert int(drawn.tokens[0]) != 131
+    assert torch.isfinite(gumbel_noise(torch.from_numpy(row_keys([3562], [7])), 4096)).all()
+
+
 def test_any_integer_seed_samples(tiny_model):
     llm = LLM(tiny_model("llama"), dtype="float32", page_size=16)
     for seed in (-1, 2**64 + 5):

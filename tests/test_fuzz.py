@@ -55,6 +55,11 @@ FIELDS = {
     "best_of": small_ints | anything,
     "logit_bias": st.dictionaries(st.text(max_size=5), st.integers(-100, 100), max_size=2) | anything,
     "tools": anything,
+    "tool_choice": st.sampled_from(["none", "auto", "required"]) | anything,
+    "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json_object", "json_schema"])}) | anything,
+    "regex": st.text(max_size=8) | anything,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | anything,
+    "chat_template_kwargs": anything,
     "user": anything,
 }
 

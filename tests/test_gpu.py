@@ -681,8 +681,10 @@ def test_fp8_gemm_kernels_match_the_dequantized_weight():
 def test_fp8_checkpoint_on_cuda_gives_the_tokens_of_its_dequantized_weights(tmp_path, monkeypatch):
     """A block-quantized FP8 checkpoint runs its projections as Fp8Linear (one byte a weight, FP8 GEMMs
     chosen at start-up) and, with bf16 activations, gives the greedy tokens of the bf16 model of its
-    dequantized weights. (This model's logits are large enough that the FP8-activation kernels' ~3%
-    rounding flips tokens; test_fp8_gemm_kernels_match_the_dequantized_weight bounds their error.)"""
+    dequantized weights, up to near-ties 0.15 apart: the W8A16 kernels scale the FP8 weight in fp32 where the
+    reference's weight was rounded to bf16 once (a split at a 0.125 gap was seen on an H100). (This model's
+    logits are large enough that the FP8-activation kernels' ~3% rounding flips tokens;
+    test_fp8_gemm_kernels_match_the_dequantized_weight bounds their error.)"""
     from safetensors.torch import load_file, save_file
 
     from runtime.engine import gemm_tuner
@@ -702,7 +704,7 @@ def test_fp8_checkpoint_on_cuda_gives_the_tokens_of_its_dequantized_weights(tmp_
     monkeypatch.setattr(gemm_tuner, "_fp8_candidates", lambda *a: {k: f for k, f in all_kernels(*a).items() if k.startswith("w8a16")})
     llm = LLM(tmp_path / "fp8", device="cuda", dtype="bfloat16", page_size=PAGE, num_pages=512, max_prefill_tokens=32)
     assert sum(isinstance(module, Fp8Linear) for module in llm.engine.model.modules()) == 4 * llm.engine.model_config.num_layers
-    assert_same_greedy_tokens(reference, greedy_tokens(llm), "FP8 GEMMs with bf16 activations")
+    assert_same_greedy_tokens(reference, greedy_tokens(llm), "FP8 GEMMs with bf16 activations", near_tie=0.15)
 
 
 def test_fp8_kv_cache_on_cuda_gives_the_tokens_of_torch_attention_over_it(tmp_path):

@@ -30,6 +30,7 @@ from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams
 from runtime.step import Sampled, StepPlan
+from runtime.structured.masks import GrammarMasks
 
 log = structlog.get_logger()
 
@@ -149,6 +150,7 @@ class Engine:
         self.lengths = np.zeros(slots, dtype=np.int64)  # tokens whose KV is written (or queued to be)
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
+        self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self._unread: deque[PendingStep] = deque()
         self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
         fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
@@ -222,9 +224,12 @@ class Engine:
     def _apply(self, plan: StepPlan) -> None:
         for slot in plan.freed:
             self.slots.pop(slot, None)
+            self.grammars.close(slot)
         for new in plan.new_slots:
             self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
             self.lengths[new.slot] = new.cached
+            if new.params.grammar is not None:
+                self.grammars.open(new.slot, new.params)
         for slot, pages in plan.pages:
             state = self.slots[slot]
             self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
@@ -235,12 +240,14 @@ class Engine:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
         self._apply(plan)
         step = self._host_step(plan)
-        if any(row.params.penalized for row in step.rows):  # penalties count every earlier token
+        # penalties count every earlier token, and a grammar's mask follows from them: both wait for the draws in flight
+        constrained = self.grammars.constrains(step.sample_slots.tolist())
+        if constrained or any(row.params.penalized for row in step.rows):
             self._read_all()
         logits, sample_slots_on_device = self._forward(plan, step)
         if logits is None:  # nothing samples
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
-        return self._sample(step, logits, sample_slots_on_device)
+        return self._sample(step, logits, sample_slots_on_device, constrained)
 
     def _host_step(self, plan: StepPlan) -> HostStep:
         """The step's rows, positions, KV rows and attention plan on the host, chunks first; the
@@ -296,12 +303,17 @@ class Engine:
             hidden = self.model(batch, self.attention)
         return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
 
-    def _sample(self, step: HostStep, logits: torch.Tensor, sample_slots_on_device: torch.Tensor | None) -> PendingStep:
-        """Queues the draw of the sampling rows; each draw also becomes its slot's next input token."""
+    def _sample(self, step: HostStep, logits: torch.Tensor, sample_slots_on_device: torch.Tensor | None, constrained: bool) -> PendingStep:
+        """Queues the draw of the sampling rows (masked by their grammars where `constrained`); each
+        draw also becomes its slot's next input token."""
         if sample_slots_on_device is None:
             sample_slots_on_device = self._to_device(step.sample_slots)
         host = torch.empty(len(step.rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
-        drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host))
+        constrain = None
+        if constrained:
+            slots, outputs = step.sample_slots.tolist(), [state.output_ids for state in step.states]
+            constrain = lambda rows: self.grammars.apply(rows, slots, outputs)  # noqa: E731
+        drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain)
         for state in step.states:
             state.sampled += 1
         return self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
@@ -335,3 +347,4 @@ class Engine:
         """Forget every slot (a new epoch): the next plans open them afresh."""
         self._read_all()
         self.slots.clear()
+        self.grammars.clear()

@@ -3,6 +3,7 @@ position, token id), so a request samples the same tokens alone, in any batch an
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -57,10 +58,12 @@ def _mix32_(x: torch.Tensor) -> torch.Tensor:
 
 
 def gumbel_noise(keys: torch.Tensor, vocab: int) -> torch.Tensor:
-    """[B, vocab] Gumbel draws, the Triton kernel's noise in torch; in place, as the hash is the costly part."""
+    """[B, vocab] Gumbel draws, the Triton kernel's noise in torch; in place, as the hash is the costly part.
+    The uniform takes 23 of the hash's bits: (x + 0.5) / 2**23 is exact in fp32 and below 1, where 24
+    bits round the largest to 1.0, whose noise is +inf (a token drawn whatever its logit, even -inf)."""
     h = torch.arange(vocab, dtype=torch.int64, device=keys.device)[None, :] ^ keys[:, :1]
     _mix32_(_mix32_(h).bitwise_xor_(keys[:, 1:]))
-    return (h >> 8).float().add_(0.5).mul_(2.0**-24).log_().neg_().log_().neg_()
+    return (h >> 9).float().add_(0.5).mul_(2.0**-23).log_().neg_().log_().neg_()
 
 
 def _torch_gumbel_argmax(scores: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -134,18 +137,28 @@ def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> t
     return torch.zeros_like(kept).scatter_(1, order, kept).log()
 
 
-def sample(logits: torch.Tensor, rows: list[SampleRow], feedback: Feedback | None = None) -> Sample:
-    """Next token per row, and top-N log-probabilities when asked; rewritten logits go to fp32 first."""
+def sample(
+    logits: torch.Tensor, rows: list[SampleRow], feedback: Feedback | None = None, constrain: Callable[[torch.Tensor], None] | None = None
+) -> Sample:
+    """Next token per row, and top-N log-probabilities (the model's, before penalties, biases and
+    grammars) when asked; `constrain` masks the rows' logits in place (grammars) after the penalties
+    and biases and before the filters. Rewritten logits go to fp32 first."""
     device = logits.device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     filtered = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.filters]
-    if logprob_rows or filtered or any(row.params.penalized for row in rows) or not (logits.is_cuda and _KERNEL):
+    rewritten = constrain is not None or any(row.params.penalized or row.params.logit_bias for row in rows)
+    if logprob_rows or filtered or rewritten or not (logits.is_cuda and _KERNEL):
         logits = logits.float()
     if logprob_rows:
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)
     for i, row in enumerate(rows):  # in place: the logits are this step's own
         if row.params.penalized:
             _apply_penalties(logits[i], row)
+        if row.params.logit_bias:
+            ids, biases = zip(*row.params.logit_bias)
+            logits[i, list(ids)] += torch.tensor(biases, device=device)
+    if constrain is not None:
+        constrain(logits)
     temperatures = [0.0 if row.params.greedy else row.params.temperature for row in rows]
     if filtered:
         logits[filtered] = _filtered_log_probs(logits[filtered], [rows[i].params for i in filtered])

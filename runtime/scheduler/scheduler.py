@@ -35,6 +35,7 @@ class Request:
     computed: int = 0  # leading tokens whose KV is in `pages` once the planned steps have run
     decoding: bool = False  # the engine holds the last token (it sampled it)
     admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
+    pin: bool = False  # a prefix warm-up: its prompt's whole pages stay cached until unpin_prefixes
 
     @property
     def tokens(self) -> list[int]:
@@ -59,10 +60,12 @@ class Scheduler:
         self.preemptions = 0
         self.ended: list[Request] = []  # finished while planning (they outgrew the pool); see take_ended
         self.admitted: list[Request] = []
+        self.pins: list[tuple[RadixNode, int]] = []  # warmed prefixes: the node each ends at, and its pages
         self._step = 0
 
-    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = ()) -> Request:
-        """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's."""
+    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
+        """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's;
+        `pin`: a prefix warm-up, whose prompt stays in the prefix cache once it has run."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
         if len(prompt_ids) >= self.max_position:
@@ -70,7 +73,7 @@ class Scheduler:
         if self.config.pages_for(len(prompt_ids) + 1) > self.allocator.num_pages:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(rid, list(prompt_ids), params, seed, list(generated))
+        request = Request(rid, list(prompt_ids), params, seed, list(generated), pin=pin)
         self._queue(request, first=False)
         return request
 
@@ -259,6 +262,10 @@ class Scheduler:
             whole = min(request.computed, len(request.tokens)) // self.page_size
             self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
+            if request.pin:  # locked like a running request's prefix: no eviction or flush takes it
+                pages, node = self.cache.match(request.prompt_ids)
+                self.cache.lock(node)
+                self.pins.append((node, len(pages)))
         self._drop_pages(request)
 
     def abort(self, rid: int) -> Request | None:
@@ -279,3 +286,15 @@ class Scheduler:
 
     def flush_cache(self) -> int:
         return self.cache.flush() if self.cache is not None else 0
+
+    @property
+    def pinned_pages(self) -> int:
+        return sum(pages for _, pages in self.pins)
+
+    def unpin_prefixes(self) -> int:
+        """Release every warmed prefix to ordinary eviction; returns the pages they held."""
+        pages = self.pinned_pages
+        for node, _ in self.pins:
+            self.cache.unlock(node)
+        self.pins = []
+        return pages

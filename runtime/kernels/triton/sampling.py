@@ -56,7 +56,7 @@ def _gumbel_argmax_kernel(
         x = tl.load(scores_ptr + row.to(tl.int64) * stride + ids, mask=inside, other=float("-inf")).to(tl.float32)
         if NOISE:
             h = _mix32(_mix32(ids.to(tl.uint32) ^ key0) ^ key1)
-            u = ((h >> 8).to(tl.float32) + 0.5) * 5.9604644775390625e-08
+            u = ((h >> 9).to(tl.float32) + 0.5) * 1.1920928955078125e-07  # 23 bits: u < 1 exactly in fp32
             x = tl.where(inside, tl.where(hot, x * inv_t - tl.log(-tl.log(u)), x), float("-inf"))
         block_best = tl.max(x, axis=0)
         block_id = tl.argmax(x, axis=0) + (chunk * BLOCKS_PER_CHUNK + block) * BLOCK

@@ -1,0 +1,88 @@
+"""A request's output constraint (a guide) as an xgrammar grammar, serialized.
+
+Built where prompts are encoded (the tokenizer actor), so that a bad schema, regex or grammar is
+refused with a 400 before anything is scheduled; the engine only compiles the grammar against the
+vocabulary (runtime.structured.masks). xgrammar is imported on the first guide, not at start-up.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from typing import Any
+
+import orjson
+
+# what a guide can be: (kind, spec); the spec is a JSON string for json_schema and tools, text otherwise
+GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
+# tool-call output formats, as xgrammar's structural tags name them, by --tool-call-parser
+TOOL_FORMATS = {"hermes": "qwen_3", "qwen3": "qwen_3", "llama3_json": "llama"}
+# at most one whitespace character between JSON tokens: `{"a": 1}` and `{"a":1}` both pass, but a
+# model cannot stall in an endless run of blanks (which free JSON whitespace lets it do)
+MAX_WHITESPACE = 1
+MAX_MESSAGE_CHARS = 500
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
+
+
+class GuideError(ValueError):
+    """The guide cannot be built: its message says why, for the client's 400."""
+
+
+def build_grammar(kind: str, spec: str) -> str:
+    """The guide's grammar as xgrammar's serialized JSON; GuideError when it is invalid."""
+    if kind not in GUIDE_KINDS:
+        raise GuideError(f"unknown guide kind {kind!r}")
+    return _build(kind, spec)
+
+
+@functools.lru_cache(maxsize=512)
+def _build(kind: str, spec: str) -> str:
+    import pydantic
+    import xgrammar as xgr
+
+    try:
+        if kind == "json_schema":
+            grammar = xgr.Grammar.from_json_schema(spec, max_whitespace_cnt=MAX_WHITESPACE)
+        elif kind == "json_object":
+            grammar = xgr.Grammar.from_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_WHITESPACE)
+        elif kind == "regex":
+            grammar = xgr.Grammar.from_regex(spec)
+        elif kind == "choice":  # EBNF string literals take JSON's escapes
+            grammar = xgr.Grammar.from_ebnf("root ::= " + " | ".join(orjson.dumps(c).decode() for c in orjson.loads(spec)))
+        elif kind == "grammar":
+            grammar = xgr.Grammar.from_ebnf(spec)
+        else:
+            grammar = xgr.Grammar.from_structural_tag(_tool_tag(orjson.loads(spec)))
+    except (RuntimeError, ValueError, TypeError, AssertionError, pydantic.ValidationError) as exc:
+        raise GuideError(f"the {kind.replace('_', ' ')} cannot be used: {_message(exc)}") from None
+    return grammar.serialize_json()
+
+
+def _tool_tag(spec: dict[str, Any]) -> Any:
+    """xgrammar's structural tag for a model's tool-call syntax, with each call's arguments held to
+    its tool's parameter schema. xgrammar's `required` lets free text surround the calls; OpenAI's
+    means calls alone, so there its calls are taken without the text (one a line)."""
+    import xgrammar as xgr
+    from xgrammar.structural_tag import SequenceFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
+
+    tag = xgr.get_model_structural_tag(
+        TOOL_FORMATS[spec["parser"]],
+        tools=spec["tools"],
+        tool_choice=spec["tool_choice"],
+        reasoning="auto" if spec["reasoning"] else "disabled",
+        parallel_tool_calls=spec["parallel_tool_calls"],
+        max_whitespace_cnt=MAX_WHITESPACE,
+    )
+    if spec["tool_choice"] == "required":
+        parts = tag.format.elements if isinstance(tag.format, SequenceFormat) else [tag.format]
+        calls = parts[-1]
+        assert isinstance(calls, TriggeredTagsFormat)
+        parts[-1] = TagsWithSeparatorFormat(tags=calls.tags, separator="\n", at_least_one=True, stop_after_first=calls.stop_after_first)
+        tag.format = SequenceFormat(elements=parts) if len(parts) > 1 else parts[0]
+    return tag
+
+
+def _message(exc: Exception) -> str:
+    """The library's words on one line, without its source position."""
+    text = " ".join(_SOURCE_PREFIX.sub("", str(exc)).split()) or type(exc).__name__
+    return text[:MAX_MESSAGE_CHARS]

@@ -1,0 +1,94 @@
+"""The engine's side of structured output: a grammar matcher per constrained slot, fed the slot's
+tokens as they are read back, and the batched mask of what each one allows next, applied to the
+logits before the draw. A slot opened again (a preemption, a new epoch) replays its tokens into a
+fresh matcher, so a constrained request survives both. Steps without a constrained slot never
+reach this module; xgrammar and the tokenizer load on the first constrained slot.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from runtime.sampling_params import SamplingParams
+
+log = structlog.get_logger()
+CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's cache, by grammar)
+
+
+@dataclass
+class _Slot:
+    matcher: Any  # xgrammar.GrammarMatcher
+    fed: int = 0  # output tokens accepted so far
+
+
+class GrammarMasks:
+    def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
+        self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
+        self._compiler: Any = None
+        self._slots: dict[int, _Slot] = {}
+        self._bitmask: torch.Tensor | None = None
+
+    def _compile(self, grammar: str) -> Any:
+        import xgrammar as xgr
+
+        if self._compiler is None:
+            from runtime.models.source import load_tokenizer
+
+            tokenizer = load_tokenizer(self.model_dir, required=True)
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=CACHE_BYTES)
+        return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
+
+    def open(self, slot: int, params: SamplingParams) -> None:
+        """A slot whose draws the grammar constrains; its tokens so far are fed at the next mask."""
+        import xgrammar as xgr
+
+        stops = sorted({*self.eos_token_ids, *params.stop_token_ids})
+        self._slots[slot] = _Slot(xgr.GrammarMatcher(self._compile(params.grammar), override_stop_tokens=stops))
+
+    def close(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def clear(self) -> None:
+        self._slots.clear()
+
+    def constrains(self, slots: list[int]) -> bool:
+        return any(slot in self._slots for slot in slots)
+
+    def apply(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
+        """Masks row i of `logits` to what slot slots[i]'s grammar allows after outputs[i] (every
+        token the slot has drawn, read back)."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < len(slots):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(slots), 64), self.vocab_size)
+        rows = []
+        for i, (slot, output) in enumerate(zip(slots, outputs)):
+            if (state := self._slots.get(slot)) is None or not self._feed(slot, state, output):
+                continue
+            state.matcher.fill_next_token_bitmask(self._bitmask, i)
+            rows.append(i)
+        if rows:
+            bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+    def _feed(self, slot: int, state: _Slot, output: list[int]) -> bool:
+        """Accepts the slot's new tokens; False once the grammar is done (or refused a token, which
+        lets the slot go unconstrained: the log says so)."""
+        for token in output[state.fed :]:
+            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
+                if not state.matcher.is_terminated():
+                    log.warning("grammar_refused_token", slot=slot, token=token, at=state.fed)
+                del self._slots[slot]
+                return False
+            state.fed += 1
+        if state.matcher.is_terminated():
+            del self._slots[slot]
+            return False
+        return True

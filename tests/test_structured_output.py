@@ -1,0 +1,292 @@
+"""Structured output, tool calls and reasoning, through the real openai client and a real server, on a
+tiny random-weight Llama (SmolLM2's tokenizer, a chat template of its own that renders tools): only
+the grammar can make its output valid. Bad constraints get a 400. (A kill of each actor kind in the
+middle of constrained streams: tests/test_recovery.py, benchmarks.chaos --guided.)"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import jsonschema
+import openai
+import orjson
+import pytest
+
+from tests.conftest import Server, launch, with_tokenizer
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 150},
+        "pet": {"enum": ["cat", "dog", "none"]},
+        "tags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 3},
+    },
+    "required": ["name", "age", "pet", "tags"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 16}, "unit": {"enum": ["C", "F"]}},
+                "required": ["city", "unit"],
+                "additionalProperties": False,
+            },
+        },
+    },
+    {
+        "type": "function",
+        "function": {
+            "name": "add",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer", "maximum": 999}, "b": {"type": "integer", "maximum": 999}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+# Hermes-style tools and calls; enable_thinking false closes an empty think block, as Qwen3's does
+TEMPLATE = """{%- if tools %}<|im_start|>system
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}<|im_end|>
+{% endif %}
+{%- for message in messages %}<|im_start|>{{ message.role }}
+{%- if message.tool_calls %}{% for call in message.tool_calls %}
+<tool_call>{"name": "{{ call.function.name }}", "arguments": {{ call.function.arguments | tojson }}}</tool_call>
+{%- endfor %}{% else %}
+{{ message.content }}{% endif %}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% if enable_thinking is defined and not enable_thinking %}<think>
+
+</think>
+
+{% endif %}{% endif %}"""
+HELLO = [{"role": "user", "content": "Describe someone."}]
+
+
+@pytest.fixture(scope="module")
+def guided_model(smollm2, tmp_path_factory) -> Path:
+    """A tiny Llama with SmolLM2's whole vocabulary, so that every token the template writes is its own."""
+    from tests.tiny_models import build
+
+    folder = tmp_path_factory.mktemp("guided-model")
+    model = with_tokenizer(build("llama", folder / "weights", vocab_size=49152), smollm2, folder / "model")
+    (model / "chat_template.jinja").write_text(TEMPLATE)
+    return model
+
+
+@pytest.fixture(scope="module")
+def guided(guided_model, tmp_path_factory) -> Iterator[Server]:
+    server = launch(guided_model, tmp_path_factory.mktemp("guided") / "serve.log", "--reasoning-parser", "qwen3")
+    yield server
+    server.stop()
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+
+
+def test_json_schema_outputs_validate_with_n_choices_and_streamed(guided):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
+    answer = client(guided).chat.completions.create(model=guided.model, messages=HELLO, n=3, max_tokens=120, response_format=fmt)
+    for choice in answer.choices:
+        assert choice.finish_reason == "stop"
+        jsonschema.validate(orjson.loads(choice.message.content), SCHEMA)
+    texts = ["", ""]
+    for chunk in client(guided).completions.create(
+        model=guided.model, prompt=[5, 6, 7], n=2, max_tokens=120, stream=True, extra_body={"response_format": fmt}
+    ):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.text
+    for text in texts:
+        jsonschema.validate(orjson.loads(text), SCHEMA)
+
+
+CHOICES = ["red", "green", "light blue"]
+SPELLINGS = {
+    # an object's keys and strings are unbounded, and the random model rarely closes one: a cut-off object still opens with {
+    "json_object": ({"response_format": {"type": "json_object"}}, lambda text: text.startswith("{")),
+    "guided_json": ({"guided_json": SCHEMA}, lambda text: jsonschema.validate(orjson.loads(text), SCHEMA) is None),
+    "structured_outputs.json": (
+        {"structured_outputs": {"json": orjson.dumps(SCHEMA).decode()}},
+        lambda text: jsonschema.validate(orjson.loads(text), SCHEMA) is None,
+    ),
+    "regex": ({"regex": r"[a-z]{2,5}-\d{3}"}, lambda text: re.fullmatch(r"[a-z]{2,5}-\d{3}", text)),
+    "guided_regex": ({"guided_regex": r"(yes|no), [0-9]{2}"}, lambda text: re.fullmatch(r"(yes|no), [0-9]{2}", text)),
+    "guided_choice": ({"guided_choice": CHOICES}, lambda text: text in CHOICES),
+    "structured_outputs.choice": ({"structured_outputs": {"choice": CHOICES}}, lambda text: text in CHOICES),
+    "guided_grammar": (
+        {"guided_grammar": 'root ::= "(" digit ("+" digit){0,3} ")"\ndigit ::= [0-9]'},
+        lambda text: re.fullmatch(r"\(\d(\+\d){0,3}\)", text),
+    ),
+}
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("chat", [True, False])
+def test_every_spelling_of_a_constraint_holds_the_output_to_it(guided, spelling, chat):
+    body, valid = SPELLINGS[spelling]
+    for seed in range(2):
+        if chat:
+            answer = client(guided).chat.completions.create(model=guided.model, messages=HELLO, max_tokens=120, seed=seed, extra_body=body)
+            text = answer.choices[0].message.content
+        else:
+            answer = client(guided).completions.create(model=guided.model, prompt="Say", max_tokens=120, seed=seed, extra_body=body)
+            text = answer.choices[0].text
+        finish = answer.choices[0].finish_reason
+        assert (finish == "stop" or spelling == "json_object") and valid(text), (spelling, text)
+        assert finish == "length" or spelling != "json_object" or isinstance(orjson.loads(text), dict)
+
+
+BAD = {
+    "a schema of an unknown type": (
+        {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nonsense"}}}},
+        "nonsense",
+    ),
+    "a schema that is not JSON": ({"guided_json": "{not json"}, "not valid JSON"),
+    "json_schema without its schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "json_schema"),
+    "an unknown response_format": ({"response_format": {"type": "yaml"}}, "response_format"),
+    "an unclosed regex": ({"regex": "a(b"}, "parenthesis"),
+    "an EBNF rule never defined": ({"guided_grammar": "root ::= item"}, "item"),
+    "an empty choice": ({"guided_choice": []}, "non-empty"),
+    "two constraints": ({"regex": "a", "guided_choice": ["b"]}, "only one"),
+    "an unsupported structured_outputs key": ({"structured_outputs": {"structural_tag": "{}"}}, "exactly one"),
+    "a named tool that is not given": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
+    "a tool without a name": ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0]"),
+    "a tool schema of an unknown type": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
+        "nonsense",
+    ),
+    "a forced tool beside a schema": (
+        {"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+        "tool_choice",
+    ),
+    "template kwargs that set the template's own": ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    "continuing a message while adding a generation prompt": ({"continue_final_message": True}, "add_generation_prompt"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_a_bad_constraint_gets_a_400_that_says_why(guided, case):
+    body, says = BAD[case]
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(guided).chat.completions.create(model=guided.model, messages=HELLO, max_tokens=8, extra_body=body)
+    assert says in refused.value.message, refused.value.message
+    assert guided.get("/health")["status"] == "ok"
+
+
+def _arguments_valid(call) -> None:
+    schema = next(t["function"]["parameters"] for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(orjson.loads(call.function.arguments), schema)
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "add"}}])
+def test_forced_tool_calls_validate_whole_and_streamed(guided, tool_choice):
+    for seed, parallel in ((1, False), (2, True)):
+        ask = dict(
+            model=guided.model,
+            messages=HELLO,
+            tools=TOOLS,
+            tool_choice=tool_choice,
+            max_tokens=160,
+            seed=seed,
+            parallel_tool_calls=parallel,
+        )
+        whole = client(guided).chat.completions.create(**ask)
+        message = whole.choices[0].message
+        assert whole.choices[0].finish_reason in ("tool_calls", "length") and message.tool_calls
+        for call in message.tool_calls if whole.choices[0].finish_reason == "tool_calls" else message.tool_calls[:-1]:
+            assert call.type == "function" and call.id.startswith("call_")
+            assert isinstance(tool_choice, str) or call.function.name == "add"
+            _arguments_valid(call)
+        if not parallel:
+            assert len(message.tool_calls) == 1 and whole.choices[0].finish_reason == "tool_calls"
+            streamed, finish = [], None
+            for chunk in client(guided).chat.completions.create(**ask, stream=True):
+                streamed += chunk.choices[0].delta.tool_calls or []
+                finish = chunk.choices[0].finish_reason or finish
+            assert finish == "tool_calls" and [c.index for c in streamed] == [0]
+            assert (streamed[0].function.name, streamed[0].function.arguments) == (
+                message.tool_calls[0].function.name,
+                message.tool_calls[0].function.arguments,
+            )
+
+
+def test_tools_tool_results_and_template_options_reach_the_template(guided, guided_model):
+    """The prompt the server encodes is the template's, for each option: counted in usage."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(guided_model)
+    arguments = '{"city": "Oslo", "unit": "C"}'
+    turn = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": arguments}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"},
+    ]
+    rendered = [
+        {"role": "user", "content": "Weather in Oslo?"},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": orjson.loads(arguments)}}],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "-3 and snowing"},
+    ]
+    final = [*HELLO, {"role": "assistant", "content": "Someone who"}]
+    cases = [
+        (dict(messages=turn, tools=TOOLS), dict(conversation=rendered, tools=TOOLS)),
+        (
+            dict(messages=HELLO, extra_body={"chat_template_kwargs": {"enable_thinking": False}}),
+            dict(conversation=HELLO, enable_thinking=False),
+        ),
+        (
+            dict(messages=final, extra_body={"continue_final_message": True, "add_generation_prompt": False}),
+            dict(conversation=final, continue_final_message=True, add_generation_prompt=False),
+        ),
+    ]
+    for ask, template in cases:
+        expected = tokenizer.apply_chat_template(**{"add_generation_prompt": True, **template}, tokenize=False)
+        assert "-3 and snowing" in expected or "tools" not in ask
+        answer = client(guided).chat.completions.create(model=guided.model, max_tokens=2, **ask)
+        assert answer.usage.prompt_tokens == len(tokenizer(expected, add_special_tokens=False).input_ids), template
+
+
+def test_reasoning_is_set_apart_whole_and_streamed(guided):
+    """A grammar makes the random model think first; the qwen3 parser splits it off, in both forms alike."""
+    ask = dict(
+        model=guided.model, messages=HELLO, max_tokens=60, seed=5, extra_body={"regex": r"<think>[a-z ]{1,20}</think>\n\n[a-z]{1,10}"}
+    )
+    message = client(guided).chat.completions.create(**ask).choices[0].message
+    assert re.fullmatch(r"[a-z ]{1,20}", message.reasoning_content) and re.fullmatch(r"[a-z]{1,10}", message.content)
+    reasoning = content = ""
+    for chunk in client(guided).chat.completions.create(**ask, stream=True):
+        delta = chunk.choices[0].delta
+        reasoning += getattr(delta, "reasoning_content", None) or ""
+        content += delta.content or ""
+    assert (reasoning, content) == (message.reasoning_content, message.content)
+
+
+def test_logit_bias_moves_greedy_draws_and_is_checked(guided):
+    ask = dict(model=guided.model, prompt="Say", max_tokens=6, temperature=0, extra_body={"return_token_ids": True})
+    plain = client(guided).completions.create(**ask).choices[0].model_extra["token_ids"]
+    favoured = client(guided).completions.create(**ask, logit_bias={"1234": 100}).choices[0].model_extra["token_ids"]
+    assert favoured == [1234] * 6
+    banned = client(guided).completions.create(**ask, logit_bias={str(plain[0]): -100}).choices[0].model_extra["token_ids"]
+    assert banned[0] != plain[0]
+    for bad in ({"49152": 1}, {"12": 101}, {"x": 1}, {"12": "high"}):
+        with pytest.raises(openai.BadRequestError):
+            client(guided).completions.create(**ask, logit_bias=bad)
