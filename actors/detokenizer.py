@@ -91,6 +91,7 @@ class DetokenizerActor(Actor):
         usage = None
         if finish is not None:
             del self.streams[rid]
+        if finish is not None or first is not None:  # the first tokens bring the prompt's counts, for running usage
             usage = {
                 "prompt_tokens": stream.prompt_tokens,
                 "completion_tokens": stream.completion_tokens,

@@ -312,8 +312,9 @@ class Handlers:
         state.token_ids += delta["token_ids"]
         state.logprobs += delta.get("logprobs", [])
         state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))
+        state.usage = delta.get("usage", state.usage)  # with the first tokens (prompt and cache), and with the finish
         if delta["finish"] is not None:
-            state.finish, state.usage = delta["finish"], delta["usage"]
+            state.finish = delta["finish"]
         clock.on_delta(state, delta)
         return state
 
@@ -336,11 +337,12 @@ class Handlers:
         return content, parts, "tool_calls" if finish == "stop" and output.calls else finish
 
     def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
-        states = list(choices.values())
-        firsts = [s for s in states if s.index % c.n == 0]  # a prompt counts once, however many choices
+        """The request's usage so far: each prompt once, however many choices; choices not begun count nothing."""
+        states = [s for s in choices.values() if s.usage is not None]
+        firsts = [s for s in states if s.index % c.n == 0]
         return usage(
             sum(s.usage["prompt_tokens"] for s in firsts),
-            sum(s.usage["completion_tokens"] for s in states),
+            sum(len(s.token_ids) for s in states),
             sum(s.usage["cached_tokens"] for s in firsts),
         )
 
@@ -372,8 +374,8 @@ class Handlers:
                     choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=not state.started, parts=parts)
                 ]
                 state.started = True
-                if c.include_usage:
-                    chunk["usage"] = None
+                if c.include_usage:  # each chunk's running total with continuous_usage_stats, as vLLM
+                    chunk["usage"] = self._usage(c, choices) if c.continuous_usage else None
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 delta = await inbox.get() if any(s.finish is None for s in choices.values()) else None
         except ApiError as exc:  # after the stream began: an error event, then the end

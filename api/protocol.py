@@ -70,6 +70,7 @@ class Completion:
     n: int = 1
     stream: bool = False
     include_usage: bool = False
+    continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (with include_usage)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # top-N per token; 0 asks for the chosen token's only
     echo_token_ids: bool = False
@@ -279,6 +280,7 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     if options is not None and not stream:
         raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     include_usage = _get(options or {}, "include_usage", (bool,), default=False)
+    continuous_usage = _get(options or {}, "continuous_usage_stats", (bool,), default=False)
     params = dict(
         max_tokens=max_tokens,
         temperature=_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2"),
@@ -304,6 +306,7 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         params=params,
         stream=stream,
         include_usage=include_usage,
+        continuous_usage=continuous_usage,
         stop=stop,
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}"),
         logprobs=logprobs,

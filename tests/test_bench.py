@@ -1,4 +1,4 @@
-"""`ringllm bench offline` end to end on CPU, in both modes, on random weights of SmolLM2's shape."""
+"""`ringllm bench offline` end to end on CPU, in both modes, on a tiny random model with SmolLM2's vocabulary."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from transport.segment import list_segments, server_prefix
 SMALL = ("--requests", "6", "--input-len", "5", "40", "--output-len", "4", "12", "--device", "cpu")
 
 
-def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_path):
+def test_bench_offline_runs_through_the_pipeline_and_in_process(tiny_smol, tmp_path):
     out = tmp_path / "offline.json"
     for mode in ((), ("--in-process", "--rounds", "1")):
-        result = ringllm("bench", "offline", "--model", str(smollm2), *SMALL, *mode, "--out", str(out), timeout=300)
+        result = ringllm("bench", "offline", "--model", str(tiny_smol), *SMALL, *mode, "--out", str(out), timeout=300)
         assert "output tok/s" in result.stdout
     runs = orjson.loads(out.read_bytes())["runs"]
     assert [(r["mode"], r["workload"]) for r in runs] == [("pipeline", "offline"), ("in-process", "offline")]
@@ -32,11 +32,22 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(smollm2, tmp_pat
     assert {(r["prompt_tokens"], r["output_tokens"]) for r in runs} == {(sum(map(len, prompts)), sum(lengths))}
 
 
-def test_a_killed_benchmark_leaves_no_server_behind(smollm2, tmp_path):
+def test_a_killed_benchmark_leaves_no_server_behind(tiny_smol, tmp_path):
     """SIGKILL gives the benchmark no chance to stop its server; the kernel's parent-death signal
     must, and the server must then remove its segments as on any clean stop."""
     bench = subprocess.Popen(
-        [sys.executable, "-m", "actors.cli", "bench", "offline", "--model", str(smollm2), *SMALL, "--out", str(tmp_path / "offline.json")],
+        [
+            sys.executable,
+            "-m",
+            "actors.cli",
+            "bench",
+            "offline",
+            "--model",
+            str(tiny_smol),
+            *SMALL,
+            "--out",
+            str(tmp_path / "offline.json"),
+        ],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

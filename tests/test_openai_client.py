@@ -296,3 +296,23 @@ async def test_models_lists_the_served_model(sync_api: Api) -> None:
 async def test_invalid_requests_raise_the_client_errors(sync_api: Api, change: dict, error: type) -> None:
     with pytest.raises(error):
         sync_api.client.chat.completions.create(**{"model": sync_api.model, "messages": CAPITAL, "max_tokens": 2, **change})
+
+
+async def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(sync_api: Api) -> None:
+    """stream_options.continuous_usage_stats (vLLM's): each chunk carries the usage so far, two choices summed."""
+    stream = sync_api.client.completions.create(
+        model=sync_api.model,
+        prompt=STORY,
+        max_tokens=6,
+        n=2,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True},
+        extra_body={"ignore_eos": True},
+    )
+    chunks = list(stream)
+    *body, last = chunks
+    prompt = last.usage.prompt_tokens
+    assert last.usage.completion_tokens == 12 and prompt > 0
+    completions = [chunk.usage.completion_tokens for chunk in body]
+    assert completions == list(range(1, 13)) and all(chunk.usage.prompt_tokens == prompt for chunk in body)

@@ -75,12 +75,10 @@ HELLO = [{"role": "user", "content": "Describe someone."}]
 
 
 @pytest.fixture(scope="module")
-def guided_model(smollm2, tmp_path_factory) -> Path:
-    """A tiny Llama with SmolLM2's whole vocabulary, so that every token the template writes is its own."""
-    from tests.tiny_models import build
-
-    folder = tmp_path_factory.mktemp("guided-model")
-    model = with_tokenizer(build("llama", folder / "weights", vocab_size=49152), smollm2, folder / "model")
+def guided_model(tiny_smol, smollm2, tmp_path_factory) -> Path:
+    """The tiny model with SmolLM2's whole vocabulary (every token the template writes is its own) and a
+    chat template that renders tools."""
+    model = with_tokenizer(tiny_smol, smollm2, tmp_path_factory.mktemp("guided") / "model")
     (model / "chat_template.jinja").write_text(TEMPLATE)
     return model
 

@@ -31,6 +31,7 @@ class GrammarMasks:
     def __init__(self, model_dir: Path, vocab_size: int, eos_token_ids: tuple[int, ...]) -> None:
         self.model_dir, self.vocab_size, self.eos_token_ids = model_dir, vocab_size, eos_token_ids
         self._compiler: Any = None
+        self._batch: Any = None  # xgrammar.BatchGrammarMatcher: fills many rows' masks on a thread pool
         self._slots: dict[int, _Slot] = {}
         self._bitmask: torch.Tensor | None = None
 
@@ -67,28 +68,30 @@ class GrammarMasks:
         import xgrammar as xgr
 
         if self._bitmask is None or self._bitmask.shape[0] < len(slots):
-            self._bitmask = xgr.allocate_token_bitmask(max(len(slots), 64), self.vocab_size)
-        rows = []
-        for i, (slot, output) in enumerate(zip(slots, outputs)):
-            if (state := self._slots.get(slot)) is None or not self._feed(slot, state, output):
-                continue
-            state.matcher.fill_next_token_bitmask(self._bitmask, i)
-            rows.append(i)
-        if rows:
+            bitmask = xgr.allocate_token_bitmask(max(len(slots), 64), self.vocab_size)
+            # pinned on CUDA, so the copy is asynchronous: the next fill waits for this step's draws anyway
+            self._bitmask = bitmask.pin_memory() if logits.is_cuda else bitmask
+            self._batch = self._batch or xgr.BatchGrammarMatcher()
+        live = [(i, state) for i, (slot, output) in enumerate(zip(slots, outputs)) if (state := self._feed(slot, output)) is not None]
+        if live:
+            rows = [i for i, _ in live]
+            self._batch.batch_fill_next_token_bitmask([state.matcher for _, state in live], self._bitmask, rows)
             bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
             xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
 
-    def _feed(self, slot: int, state: _Slot, output: list[int]) -> bool:
-        """Accepts the slot's new tokens; False once the grammar is done (or refused a token, which
-        lets the slot go unconstrained: the log says so)."""
+    def _feed(self, slot: int, output: list[int]) -> _Slot | None:
+        """The slot's matcher after its new tokens; None if the slot is not constrained, or no longer:
+        its grammar is done (or refused a token, which lets the slot go unconstrained: the log says so)."""
+        if (state := self._slots.get(slot)) is None:
+            return None
         for token in output[state.fed :]:
             if state.matcher.is_terminated() or not state.matcher.accept_token(token):
                 if not state.matcher.is_terminated():
                     log.warning("grammar_refused_token", slot=slot, token=token, at=state.fed)
                 del self._slots[slot]
-                return False
+                return None
             state.fed += 1
         if state.matcher.is_terminated():
             del self._slots[slot]
-            return False
-        return True
+            return None
+        return state
