@@ -15,6 +15,7 @@ recovery_ms runs from a kill to the next token of a stream that was in flight at
 
     python -m benchmarks.chaos --quick                 # SmolLM2, one kill per backend kind
     python -m benchmarks.chaos --kills 5 --signal stop # five freezes per kind
+    python -m benchmarks.chaos --quick --kinds tokenizer engine engine:stop   # a death of each, and an engine hang
 """
 
 from __future__ import annotations
@@ -305,15 +306,16 @@ async def run(args: argparse.Namespace) -> dict:
                 raise RuntimeError(f"the fault-free load failed: {failed[:3]}")
             if args.guided:
                 summary["invalid_json"] = 0
-            sig = signal.SIGSTOP if args.signal == "stop" else signal.SIGKILL
-            for kind in args.kinds:
+            for entry in args.kinds:  # KIND, or KIND:stop / KIND:kill to override --signal for it
+                kind, _, how = entry.partition(":")
+                sig = signal.SIGSTOP if (how or args.signal) == "stop" else signal.SIGKILL
                 done, kind_recoveries, kind_pauses = 0, [], []
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
                     streams, kill_times, promoted = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
                     done += len(kill_times)
-                    summary["promoted"][kind] = summary["promoted"].get(kind, 0) + promoted
+                    summary["promoted"][entry] = summary["promoted"].get(entry, 0) + promoted
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
                     kind_pauses += [ms for killed_at, _ in kill_times if (ms := _longest_pause_ms(streams, killed_at)) is not None]
                     for got, want, body in zip(streams, reference, bodies):
@@ -327,10 +329,10 @@ async def run(args: argparse.Namespace) -> dict:
                         if "response_format" in body and not _opens_with_a_guided_object(got.text):
                             summary["invalid_json"] += 1
                     await wait_healthy(http, 120, server.proc)
-                summary["kills"][kind] = done
+                summary["kills"][entry] = done
                 recoveries += kind_recoveries
-                summary["longest_pause_ms"][kind] = round(max(kind_pauses)) if kind_pauses else None
-                summary["recovery_ms"][kind] = (
+                summary["longest_pause_ms"][entry] = round(max(kind_pauses)) if kind_pauses else None
+                summary["recovery_ms"][entry] = (
                     [round(statistics.median(kind_recoveries)), round(max(kind_recoveries))] if kind_recoveries else None
                 )
             for _ in range(100):  # the last aborts and finishes settle
@@ -347,11 +349,24 @@ async def run(args: argparse.Namespace) -> dict:
     return summary
 
 
+def _kind_entry(entry: str) -> str:
+    kind, _, how = entry.partition(":")
+    if kind not in BACKEND_KINDS or how not in ("", "stop", "kill"):
+        raise argparse.ArgumentTypeError(f"{entry!r} is not KIND or KIND:stop|kill with KIND among {', '.join(BACKEND_KINDS)}")
+    return entry
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--quick", action="store_true", help="one kill per kind, 64 short streams: minutes, not more")
-    parser.add_argument("--kinds", nargs="+", default=list(BACKEND_KINDS), choices=BACKEND_KINDS)
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        type=_kind_entry,
+        default=list(BACKEND_KINDS),
+        help="actor kinds, each KIND or KIND:stop / KIND:kill to give it its own signal (the summary keys them as given)",
+    )
     parser.add_argument("--kills", type=int, default=5, help="kills per actor kind")
     parser.add_argument("--signal", choices=["kill", "stop"], default="kill", help="SIGKILL, or SIGSTOP (a hang)")
     parser.add_argument("--requests", type=int, default=64)
