@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+import orjson
 import structlog
 from aiohttp import web
 
@@ -105,6 +106,8 @@ class ApiWorker(Actor):
         # the snapshot is taken now: a request submitted from here on is already of the new epoch
         self._replaying = loop.create_task(self._replay(list(self.live), epoch), name="replay") if self.live else None
         if self.warmed:
+            if self._warming is not None:
+                self._warming.cancel()
             self._warming = loop.create_task(self._warm_again(), name="warm-again")
 
     def on_tick(self) -> None:
@@ -221,6 +224,8 @@ class ApiWorker(Actor):
             self._forget(rid)
             if isinstance(exc, PayloadTooLarge):  # a prompt of megabytes: a body may outgrow the ring
                 raise ApiError(f"the prompt is too large to tokenize here: {exc}", 413, param="prompt") from None
+            if isinstance(exc, orjson.JSONEncodeError):  # nested deeper than a frame's header may be
+                raise ApiError(f"the request cannot be sent on: {exc}") from None
             raise
         return rid
 

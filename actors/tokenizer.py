@@ -177,21 +177,23 @@ class TokenizerActor(Actor):
             await self._refuse(sub, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
         elif message := context_overflow(limit, len(ids), params["max_tokens"]):
             await self._refuse(sub, message, param="max_tokens")
-        elif req.guide is None or (params := await self._with_grammar(sub, params)) is not None:  # the prompt's text stays here
+        elif req.guide is None or (params := await self._with_guide(sub, params)) is not None:  # the prompt's text stays here
             scheduler = self.replicas.place(ids)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
 
-    async def _with_grammar(self, sub: Submission, params: dict[str, Any]) -> dict[str, Any] | None:
-        """The params with the guide's grammar; None when it was refused, or aborted while it was built."""
+    async def _with_guide(self, sub: Submission, params: dict[str, Any]) -> dict[str, Any] | None:
+        """The params with the guide, once its grammar has been built here (which refuses a bad or
+        oversized one; the engine builds it again from the cache-friendly spec, not from megabytes of
+        grammar sent down the rings); None when it was refused, or aborted while it was built."""
         key = (sub.rid, sub.epoch)
         self.in_lane[key] = False
         try:
-            grammar = await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *sub.req.guide)
+            await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *sub.req.guide)
         except GuideError as exc:
             if not self.in_lane.pop(key, True):
                 await self._refuse(sub, str(exc))
             return None
-        return None if self.in_lane.pop(key, True) else {**params, "grammar": grammar}
+        return None if self.in_lane.pop(key, True) else {**params, "guide": sub.req.guide}
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:

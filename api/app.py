@@ -322,7 +322,10 @@ class Handlers:
         """The parsers a chat choice's text goes through, if the server or the request asks for any."""
         limits = self.gateway.limits()
         tool_parser = limits.tool_call_parser if c.tools is not None and c.tools.choice != "none" else None
-        return ChatOutput(limits.reasoning_parser, tool_parser) if c.chat and (tool_parser or limits.reasoning_parser) else None
+        if not c.chat or not (tool_parser or limits.reasoning_parser):
+            return None
+        names = {tool["function"]["name"] for tool in c.tools.tools} if c.tools else set()
+        return ChatOutput(limits.reasoning_parser, tool_parser, names, constrained=c.guide is not None)
 
     @staticmethod
     def _parsed(output: ChatOutput | None, text: str, finish: str | None, stream: bool) -> tuple[str, dict | None, str | None]:

@@ -30,10 +30,11 @@ def held_prefix(text: str, marker: str) -> int:
 
 
 class ReasoningSplitter:
-    """Gives (reasoning, content) of the text fed so far, as far as they can be told apart."""
+    """Gives (reasoning, content) of the text fed so far, as far as they can be told apart. A
+    constrained output (a grammar, a forced tool) opens with <think> if it thinks at all."""
 
-    def __init__(self, parser: str) -> None:
-        self.opens_inside = REASONING_PARSERS[parser]
+    def __init__(self, parser: str, constrained: bool) -> None:
+        self.opens_inside = REASONING_PARSERS[parser] and not constrained
         self.state = "start"  # start -> thinking -> after -> answer, or start -> answer
         self.held = ""
 
@@ -72,19 +73,24 @@ class ReasoningSplitter:
 
 
 class ToolCallParser:
-    """Gives (content, calls) of the answer fed so far; a call whose text does not parse stays content."""
+    """Gives (content, calls) of the answer fed so far; a call whose text does not parse, or that names
+    no tool of the request, stays content."""
 
-    def __init__(self, parser: str) -> None:
+    def __init__(self, parser: str, names: set[str]) -> None:
         self.begin, self.end = CALL_MARKERS[parser]
-        self.held, self.inside, self.after_call = "", False, False
+        self.names = names
+        self.held, self.inside = "", False
+        self.after_call = 0  # 1 just after a call, 2 after its "; " separator too
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.held += text
         content, calls = [], []
         while True:
-            if self.after_call:  # the separators and newlines between calls are neither calls nor content
-                self.held = self.held.lstrip("; \n")
-                self.after_call = not self.held
+            if self.after_call:  # newlines after a call, and a "; " between calls, are neither calls nor content
+                self.held = self.held.lstrip("\n" if self.after_call == 1 else " \n")
+                if self.after_call == 1 and self.held.startswith(";"):
+                    self.held, self.after_call = self.held[1:].lstrip(" \n"), 2
+                self.after_call = self.after_call if not self.held else 0
             if not self.inside:
                 at = self.held.find(self.begin)
                 if at < 0:
@@ -99,7 +105,7 @@ class ToolCallParser:
             call, text = closed
             calls += [call] if call else []
             content += [] if call else [text]
-            self.after_call = call is not None
+            self.after_call = 1 if call is not None else 0
         return "".join(content), calls
 
     def _close(self) -> tuple[dict | None, str] | None:
@@ -116,7 +122,8 @@ class ToolCallParser:
                 return None
             text, body, self.held = self.held[:length], self.held[:length], self.held[length:]
         self.inside = False
-        return _call(body), text
+        call = _call(body)
+        return (call if call is not None and call["function"]["name"] in self.names else None), text
 
     def finish(self) -> str:
         """The text still held, at the end: an unclosed call is content."""
@@ -129,9 +136,9 @@ def _call(body: str) -> dict | None:
         parsed = orjson.loads(body)
     except orjson.JSONDecodeError:
         return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str):
+    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or not {"arguments", "parameters"} & parsed.keys():
         return None
-    arguments = parsed.get("arguments", parsed.get("parameters", {}))
+    arguments = parsed.get("arguments", parsed.get("parameters"))
     arguments = arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
 
@@ -139,9 +146,9 @@ def _call(body: str) -> dict | None:
 class ChatOutput:
     """One chat choice's parsers; `feed` gives the message fields of what can be released."""
 
-    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None) -> None:
-        self.reasoning = ReasoningSplitter(reasoning_parser) if reasoning_parser else None
-        self.tools = ToolCallParser(tool_call_parser) if tool_call_parser else None
+    def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, tool_names: set[str], constrained: bool) -> None:
+        self.reasoning = ReasoningSplitter(reasoning_parser, constrained) if reasoning_parser else None
+        self.tools = ToolCallParser(tool_call_parser, tool_names) if tool_call_parser else None
         self.calls = 0
 
     def feed(self, text: str, final: bool) -> dict:

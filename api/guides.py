@@ -26,6 +26,7 @@ TOP_LEVEL_GUIDES = {
     "json_schema": "json_schema",
 }
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+MAX_SPEC_CHARS = 64 << 10  # of a schema, regex, grammar, choice list or tool list: each slot of the request carries it
 
 
 @dataclass(frozen=True)
@@ -88,6 +89,20 @@ def _structured_outputs(outputs: Any) -> Guide:
 
 def _spec(name: str, kind: str, value: Any) -> Guide:
     """A guide's spec as the text the grammar builder reads: a schema as JSON, choices as a JSON list."""
+    guide = _spec_text(name, kind, value)
+    if len(guide[1]) > MAX_SPEC_CHARS:
+        raise ApiError(f"'{name}' takes {len(guide[1])} characters, more than the {MAX_SPEC_CHARS} allowed", param=name)
+    return guide
+
+
+def _dumps(name: str, value: Any) -> str:
+    try:
+        return orjson.dumps(value).decode()
+    except orjson.JSONEncodeError as exc:  # nested past orjson's depth
+        raise ApiError(f"'{name}' cannot be used: {exc}", param=name) from None
+
+
+def _spec_text(name: str, kind: str, value: Any) -> Guide:
     if kind == "json_schema":
         if isinstance(value, str):
             try:
@@ -96,11 +111,11 @@ def _spec(name: str, kind: str, value: Any) -> Guide:
                 raise ApiError(f"'{name}' is not valid JSON: {exc}", param=name) from None
         if not isinstance(value, dict | bool):
             raise ApiError(f"'{name}' must be a JSON schema (an object)", param=name)
-        return kind, orjson.dumps(value).decode()
+        return kind, _dumps(name, value)
     if kind == "choice":
         if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
             raise ApiError(f"'{name}' must be a non-empty list of non-empty strings", param=name)
-        return kind, orjson.dumps(value).decode()
+        return kind, _dumps(name, value)
     if not isinstance(value, str) or not value:
         raise ApiError(f"'{name}' must be a non-empty string", param=name)
     return kind, value
@@ -109,7 +124,8 @@ def _spec(name: str, kind: str, value: Any) -> Guide:
 def tools_of(body: dict) -> Tools | None:
     """The request's tools and tool choice; None when it has no tools."""
     tools, choice = body.get("tools"), body.get("tool_choice")
-    parallel = body.get("parallel_tool_calls", True)
+    parallel = body.get("parallel_tool_calls")
+    parallel = True if parallel is None else parallel
     if not isinstance(parallel, bool):
         raise ApiError("'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
     if tools is None or tools == []:
@@ -157,4 +173,7 @@ def tool_guide(tools: Tools, parser: str, reasoning: bool) -> Guide:
         "parallel_tool_calls": tools.parallel,
         "reasoning": reasoning,
     }
-    return "tools", orjson.dumps(spec).decode()
+    text = _dumps("tools", spec)
+    if len(text) > MAX_SPEC_CHARS:
+        raise ApiError(f"'tools' take {len(text)} characters, more than the {MAX_SPEC_CHARS} a forced tool choice allows", param="tools")
+    return "tools", text

@@ -324,12 +324,14 @@ def _logit_bias(body: dict, vocab_size: int) -> list[list]:
     out = []
     for key, value in bias.items():
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (key.isdigit() and int(key) < vocab_size and number and abs(value) <= 100):
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size and number and abs(value) <= 100):
             raise ApiError(
                 f"'logit_bias' maps token ids below the vocabulary's {vocab_size} to biases in [-100, 100]; not {key!r}: {value!r}",
                 param="logit_bias",
             )
         out.append([int(key), float(value)])
+    if len({token for token, _ in out}) < len(out):  # "7" and "07"
+        raise ApiError("'logit_bias' names a token id twice", param="logit_bias")
     if len(out) > MAX_LOGIT_BIAS:
         raise ApiError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
     return sorted(out)

@@ -22,12 +22,14 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logprobs: int | None = None
     priority: int = 0  # under the priority schedule policy, lower goes first (as vLLM)
-    grammar: str | None = None  # an xgrammar grammar, serialized (runtime.structured): draws keep to it
+    guide: tuple[str, str] | None = None  # (kind, spec) of runtime.structured.grammars: draws keep to its grammar
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits, as OpenAI's
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.guide is not None:
+            object.__setattr__(self, "guide", tuple(self.guide))
         checks = {
             "max_tokens must be >= 1": self.max_tokens >= 1,
             "temperature must be >= 0": self.temperature >= 0,

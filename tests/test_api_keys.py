@@ -100,6 +100,8 @@ def test_warmed_prefixes_stay_cached_through_flushes_until_unpinned(keyed):
     answer = keyed.call("POST", "/warm_prefixes", {"prefixes": [posted, list(range(300, 320))]}, headers)
     assert answer["prefixes"] == [{"prompt_tokens": 50, "pinned_tokens": 48}, {"prompt_tokens": 20, "pinned_tokens": 16}]
     assert keyed.get("/server_info", headers)["scheduler"]["pinned_prefixes"] == 3
+    keyed.call("POST", "/warm_prefixes", {"prefixes": [posted]}, headers)  # again: pinned once
+    assert keyed.get("/server_info", headers)["scheduler"]["pinned_prefixes"] == 3
     keyed.call("POST", "/flush_cache", {}, headers)
     assert _cached(keyed, [*STARTUP_PREFIX, 7, 8, 9]) == 32 and _cached(keyed, [*posted, 7]) == 48
     rows = orjson.loads(ringllm("status", "--json", "--port", str(keyed.port)).stdout)

@@ -72,6 +72,9 @@ TEMPLATE = """{%- if tools %}<|im_start|>system
 
 {% endif %}{% endif %}"""
 HELLO = [{"role": "user", "content": "Describe someone."}]
+NESTED: dict = {}
+for _ in range(300):
+    NESTED = {"type": "object", "properties": {"x": NESTED}}
 
 
 @pytest.fixture(scope="module")
@@ -170,6 +173,11 @@ BAD = {
         "tool_choice",
     ),
     "template kwargs that set the template's own": ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
+    "a schema of more than 64 KB": (
+        {"guided_json": {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(3000)}}},
+        "65536",
+    ),
+    "a schema nested past what can be sent on": ({"guided_json": NESTED}, "cannot be used"),
     "continuing a message while adding a generation prompt": ({"continue_final_message": True}, "add_generation_prompt"),
 }
 
@@ -285,6 +293,19 @@ def test_logit_bias_moves_greedy_draws_and_is_checked(guided):
     assert favoured == [1234] * 6
     banned = client(guided).completions.create(**ask, logit_bias={str(plain[0]): -100}).choices[0].model_extra["token_ids"]
     assert banned[0] != plain[0]
-    for bad in ({"49152": 1}, {"12": 101}, {"x": 1}, {"12": "high"}):
+    for bad in ({"49152": 1}, {"12": 101}, {"x": 1}, {"12": "high"}, {"²": 1}, {"7": 1, "07": 2}, {"9" * 5000: 1}):
         with pytest.raises(openai.BadRequestError):
             client(guided).completions.create(**ask, logit_bias=bad)
+
+
+@pytest.mark.parametrize("size", [1, 3, 1000])
+def test_only_calls_of_the_requests_tools_leave_the_content(size):
+    """JSON that names no tool of the request, or has no arguments, is content, however the text is cut."""
+    from api.chat_output import ChatOutput
+
+    text = '{"name": "Alice", "age": 3} then {"name": "add", "parameters": {"a": 1}}; {"name": "mul", "parameters": {}} end'
+    out = ChatOutput(None, "llama3_json", {"add"}, constrained=False)
+    pieces = [text[i : i + size] for i in range(0, len(text), size)]
+    parts = [out.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
+    assert "".join(p["content"] for p in parts) == '{"name": "Alice", "age": 3} then {"name": "mul", "parameters": {}} end'
+    assert [(c["function"]["name"], c["function"]["arguments"]) for p in parts for c in p.get("tool_calls", [])] == [("add", '{"a":1}')]

@@ -228,7 +228,7 @@ class Engine:
         for new in plan.new_slots:
             self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
             self.lengths[new.slot] = new.cached
-            if new.params.grammar is not None:
+            if new.params.guide is not None:
                 self.grammars.open(new.slot, new.params)
         for slot, pages in plan.pages:
             state = self.slots[slot]

@@ -60,7 +60,7 @@ class Scheduler:
         self.preemptions = 0
         self.ended: list[Request] = []  # finished while planning (they outgrew the pool); see take_ended
         self.admitted: list[Request] = []
-        self.pins: list[tuple[RadixNode, int]] = []  # warmed prefixes: the node each ends at, and its pages
+        self.pins: dict[tuple[int, ...], tuple[RadixNode, int]] = {}  # warmed prefix (whole pages) -> its node, its pages
         self._step = 0
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
@@ -262,10 +262,8 @@ class Scheduler:
             whole = min(request.computed, len(request.tokens)) // self.page_size
             self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
-            if request.pin:  # locked like a running request's prefix: no eviction or flush takes it
-                pages, node = self.cache.match(request.prompt_ids)
-                self.cache.lock(node)
-                self.pins.append((node, len(pages)))
+            if request.pin:
+                self._pin(request.prompt_ids)
         self._drop_pages(request)
 
     def abort(self, rid: int) -> Request | None:
@@ -289,12 +287,21 @@ class Scheduler:
 
     @property
     def pinned_pages(self) -> int:
-        return sum(pages for _, pages in self.pins)
+        return sum(pages for _, pages in self.pins.values())
+
+    def _pin(self, prompt_ids: list[int]) -> None:
+        """Lock a warmed prompt's whole pages as a running request's prefix is locked, so that no
+        eviction or flush takes them; once per prefix, and at most half the pool in all."""
+        pages, node = self.cache.match(prompt_ids)
+        key = tuple(prompt_ids[: len(pages) * self.page_size])
+        if pages and key not in self.pins and self.pinned_pages + len(pages) <= self.allocator.num_pages // 2:
+            self.cache.lock(node)
+            self.pins[key] = (node, len(pages))
 
     def unpin_prefixes(self) -> int:
         """Release every warmed prefix to ordinary eviction; returns the pages they held."""
         pages = self.pinned_pages
-        for node, _ in self.pins:
+        for node, _ in self.pins.values():
             self.cache.unlock(node)
-        self.pins = []
+        self.pins = {}
         return pages

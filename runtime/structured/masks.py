@@ -16,6 +16,7 @@ import structlog
 import torch
 
 from runtime.sampling_params import SamplingParams
+from runtime.structured.grammars import build_grammar
 
 log = structlog.get_logger()
 CACHE_BYTES = 256 << 20  # compiled grammars kept for reuse (xgrammar's cache, by grammar)
@@ -35,7 +36,9 @@ class GrammarMasks:
         self._slots: dict[int, _Slot] = {}
         self._bitmask: torch.Tensor | None = None
 
-    def _compile(self, grammar: str) -> Any:
+    def _compile(self, guide: tuple[str, str]) -> Any:
+        """The guide's grammar compiled against the vocabulary; the tokenizer actor built (and so
+        bounded) the same grammar before the request was scheduled, and both builds are cached."""
         import xgrammar as xgr
 
         if self._compiler is None:
@@ -44,14 +47,14 @@ class GrammarMasks:
             tokenizer = load_tokenizer(self.model_dir, required=True)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
             self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=CACHE_BYTES)
-        return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
+        return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(build_grammar(*guide)))
 
     def open(self, slot: int, params: SamplingParams) -> None:
         """A slot whose draws the grammar constrains; its tokens so far are fed at the next mask."""
         import xgrammar as xgr
 
         stops = sorted({*self.eos_token_ids, *params.stop_token_ids})
-        self._slots[slot] = _Slot(xgr.GrammarMatcher(self._compile(params.grammar), override_stop_tokens=stops))
+        self._slots[slot] = _Slot(xgr.GrammarMatcher(self._compile(params.guide), override_stop_tokens=stops))
 
     def close(self, slot: int) -> None:
         self._slots.pop(slot, None)
