@@ -5,6 +5,7 @@ middle of constrained streams: tests/test_recovery.py, benchmarks.chaos --guided
 
 from __future__ import annotations
 
+import asyncio
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,7 +89,8 @@ def guided_model(tiny_smol, smollm2, tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def guided(guided_model, tmp_path_factory) -> Iterator[Server]:
-    server = launch(guided_model, tmp_path_factory.mktemp("guided") / "serve.log", "--reasoning-parser", "qwen3")
+    flags = ("--reasoning-parser", "qwen3", "--schedule-policy", "priority", "--max-running-requests", "2")
+    server = launch(guided_model, tmp_path_factory.mktemp("guided") / "serve.log", *flags)
     yield server
     server.stop()
 
@@ -99,13 +101,13 @@ def client(server: Server) -> openai.OpenAI:
 
 def test_json_schema_outputs_validate_with_n_choices_and_streamed(guided):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA, "strict": True}}
-    answer = client(guided).chat.completions.create(model=guided.model, messages=HELLO, n=3, max_tokens=120, response_format=fmt)
+    answer = client(guided).chat.completions.create(model=guided.model, messages=HELLO, n=3, max_tokens=300, seed=1, response_format=fmt)
     for choice in answer.choices:
         assert choice.finish_reason == "stop"
         jsonschema.validate(orjson.loads(choice.message.content), SCHEMA)
     texts = ["", ""]
     for chunk in client(guided).completions.create(
-        model=guided.model, prompt=[5, 6, 7], n=2, max_tokens=120, stream=True, extra_body={"response_format": fmt}
+        model=guided.model, prompt=[5, 6, 7], n=2, max_tokens=300, seed=4, stream=True, extra_body={"response_format": fmt}
     ):
         for choice in chunk.choices:
             texts[choice.index] += choice.text
@@ -309,3 +311,30 @@ def test_only_calls_of_the_requests_tools_leave_the_content(size):
     parts = [out.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
     assert "".join(p["content"] for p in parts) == '{"name": "Alice", "age": 3} then {"name": "mul", "parameters": {}} end'
     assert [(c["function"]["name"], c["function"]["arguments"]) for p in parts for c in p.get("tool_calls", [])] == [("add", '{"a":1}')]
+
+
+async def test_priorities_order_a_saturated_queue(guided):
+    """Two long requests hold both running slots; six short ones queue behind them with shuffled
+    priorities, and run two at a time, lowest priority value first."""
+    http = openai.AsyncOpenAI(base_url=f"{guided.base_url}/v1", api_key="none", max_retries=0)
+    ask = dict(model=guided.model, prompt="Say")
+    finished: list[int] = []
+
+    async def short(priority: int) -> None:
+        await http.completions.create(**ask, max_tokens=4, extra_body={"ignore_eos": True, "priority": priority})
+        finished.append(priority)
+
+    blockers = [asyncio.create_task(http.completions.create(**ask, max_tokens=400, extra_body={"ignore_eos": True})) for _ in range(2)]
+
+    async def until(gauge: str, value: int) -> None:
+        for _ in range(1000):
+            if guided.get("/server_info")["scheduler"][gauge] >= value:
+                return
+            await asyncio.sleep(0.01)
+        raise AssertionError(f"{gauge} never reached {value}")
+
+    await until("running", 2)
+    queued = [asyncio.create_task(short(priority)) for priority in (5, -3, 2, 9, 0, 1)]
+    await until("waiting", 6)
+    await asyncio.gather(*blockers, *queued)
+    assert [sorted(finished[i : i + 2]) for i in (0, 2, 4)] == [[-3, 0], [1, 2], [5, 9]], finished
