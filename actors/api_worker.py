@@ -250,9 +250,26 @@ class ApiWorker(Actor):
 
     async def warm(self, prefixes: list[dict]) -> list[dict]:
         """Each prefix runs as a one-token greedy request marked to pin its prompt in the prefix cache;
-        this worker warms them again after a restart of the pipeline (which empties the cache)."""
+        this worker warms them again after a restart of the pipeline (which empties the cache). A refusal,
+        or a client that leaves, aborts the prefixes not yet warmed."""
         inbox: asyncio.Queue = asyncio.Queue()
-        rids = []
+        rids: list[int] = []
+        usages: dict[int, dict] = {}
+        try:
+            await self._warm_each(prefixes, inbox, rids, usages)
+        finally:
+            for rid in rids:
+                if rid not in usages:
+                    await self.abort(rid)
+        self.warmed += [p for p in prefixes if p not in self.warmed]
+        log.info("prefixes_warmed", prefixes=len(prefixes), pinned=len(self.warmed))
+        return [
+            {"prompt_tokens": u["prompt_tokens"], "pinned_tokens": u["prompt_tokens"] // self.page_size * self.page_size}
+            for u in (usages[rid] for rid in rids)
+        ]
+
+    async def _warm_each(self, prefixes: list[dict], inbox: asyncio.Queue, rids: list[int], usages: dict[int, dict]) -> None:
+        """Submits the warm-up requests (their rids into `rids`) and waits for each one's usage."""
         for i, prefix in enumerate(prefixes):
             meta = {
                 "params": {**WARM_PARAMS},
@@ -265,19 +282,12 @@ class ApiWorker(Actor):
                 "pin": True,
             }
             rids.append(await self.submit(meta, prefix.get("ids"), inbox))
-        usages: dict[int, dict] = {}
         while len(usages) < len(rids):
             delta = await inbox.get()
             if "error" in delta:
                 raise ApiError(delta["error"]["message"], delta["error"]["status"], param="prefixes")
             if delta["finish"] is not None:
                 usages[delta["rid"]] = delta["usage"]
-        self.warmed += [p for p in prefixes if p not in self.warmed]
-        log.info("prefixes_warmed", prefixes=len(prefixes), pinned=len(self.warmed))
-        return [
-            {"prompt_tokens": u["prompt_tokens"], "pinned_tokens": u["prompt_tokens"] // self.page_size * self.page_size}
-            for u in (usages[rid] for rid in rids)
-        ]
 
     async def _warm_again(self) -> None:
         """The start-up prefixes once the pipeline answers; after a new epoch, what this worker had warmed."""

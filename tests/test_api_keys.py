@@ -116,3 +116,6 @@ def test_warmed_prefixes_stay_cached_through_flushes_until_unpinned(keyed):
     assert _cached(keyed, [*posted, 7]) == 0 and keyed.get("/server_info", headers)["scheduler"]["pinned_pages"] == 0
     bad = keyed.call("POST", "/warm_prefixes", {"prefixes": [[100000]]}, headers)
     assert bad["error"]["param"] == "prefixes"
+    # one prefix refused downstream (text whose tokens the tiny model lacks): a 400, the other aborted or done
+    refused = keyed.call("POST", "/warm_prefixes", {"prefixes": [list(range(400, 440)), "Words past the vocabulary."]}, headers)
+    assert refused["error"]["param"] == "prefixes" and "vocabulary" in refused["error"]["message"]
