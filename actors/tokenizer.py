@@ -199,7 +199,7 @@ class TokenizerActor(Actor):
     def _text_of(tokenizer: Any, req: Submit) -> str:
         if req.messages is None:
             return req.prompt
-        options = req.template or {"tools": None, "kwargs": {}, "add_generation_prompt": True, "continue_final_message": False}
+        options = req.template  # a chat request's always (api.protocol.Completion.template)
         return tokenizer.apply_chat_template(
             req.messages,
             tools=options["tools"],

@@ -42,8 +42,8 @@ class Limits:
     vocab_size: int
     max_token_bytes: int  # the longest token's UTF-8 bytes (0: not known yet)
     priorities: bool = False  # the priority schedule policy: requests may carry a 'priority'
-    tool_call_parser: str = "hermes"  # how tool calls are written (api.tool_calls), and forced ones held to it
-    reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.reasoning)
+    tool_call_parser: str = "hermes"  # how tool calls are written (api.chat_output), and forced ones held to it
+    reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.chat_output)
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -221,9 +221,9 @@ def parse_prefixes(body: Any, limits: Limits) -> list[dict]:
         raise ApiError(f"the body must be {{'prefixes': [text or token ids, ...]}} with 1 to {MAX_WARM_PREFIXES} of them", param="prefixes")
     out = []
     for prefix in prefixes:
-        (prompt,) = _prompts({"prompt": prefix}, limits) if isinstance(prefix, str) or _is_id_list(prefix, limits.vocab_size) else [None]
-        if prompt is None or not prefix:
+        if not prefix or not (isinstance(prefix, str) or _is_id_list(prefix, limits.vocab_size)):
             raise ApiError("each prefix must be a non-empty string or list of token ids in the vocabulary", param="prefixes")
+        prompt = {"prompt": prefix} if isinstance(prefix, str) else {"ids": prefix}
         _check_prompt_size(prompt, 1, limits)
         out.append(prompt)
     return out

@@ -241,7 +241,7 @@ class Engine:
         self._apply(plan)
         step = self._host_step(plan)
         # penalties count every earlier token, and a grammar's mask follows from them: both wait for the draws in flight
-        constrained = self.grammars.constrains(step.sample_slots.tolist())
+        constrained = self.grammars.constrains(step.sample_slots)
         if constrained or any(row.params.penalized for row in step.rows):
             self._read_all()
         logits, sample_slots_on_device = self._forward(plan, step)

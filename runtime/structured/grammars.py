@@ -1,8 +1,9 @@
-"""A request's output constraint (a guide) as an xgrammar grammar, serialized.
+"""A request's output constraint (a guide: kind and spec) as an xgrammar grammar, serialized.
 
-Built where prompts are encoded (the tokenizer actor), so that a bad schema, regex or grammar is
-refused with a 400 before anything is scheduled; the engine only compiles the grammar against the
-vocabulary (runtime.structured.masks). xgrammar is imported on the first guide, not at start-up.
+Built first where prompts are encoded (the tokenizer actor), so that a bad or oversized schema,
+regex or grammar is refused with a 400 before anything is scheduled; the engine builds it again
+from the same guide (cached) and compiles it against the vocabulary (runtime.structured.masks).
+xgrammar is imported on the first guide, not at start-up.
 """
 
 from __future__ import annotations

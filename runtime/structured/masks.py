@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import structlog
 import torch
 
@@ -62,8 +63,9 @@ class GrammarMasks:
     def clear(self) -> None:
         self._slots.clear()
 
-    def constrains(self, slots: list[int]) -> bool:
-        return any(slot in self._slots for slot in slots)
+    def constrains(self, slots: np.ndarray) -> bool:
+        """Does a grammar hold any of these slots? Free (no list is built) while no slot is constrained."""
+        return bool(self._slots) and any(slot in self._slots for slot in slots.tolist())
 
     def apply(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
         """Masks row i of `logits` to what slot slots[i]'s grammar allows after outputs[i] (every
