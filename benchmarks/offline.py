@@ -11,7 +11,8 @@ By default the requests go through the whole serving pipeline: a `ringllm serve`
 --dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
 `--in-process` drives the scheduler and engine directly instead, so the pipeline's cost is the
 ratio of the two. Results are appended to --out as
-{"runs": [{"model", "mode", "workload", "tok_per_s", "command", "date", ...}]}.
+{"runs": [{"model", "mode", "workload", "tok_per_s", "command", "startup_s", "date", ...}]}, where
+startup_s is the wait from launch until the server answers /health (or the `LLM` is built).
 
     ringllm bench offline --model benchmarks/models/qwen3-0.6b --single [--in-process]
 """
@@ -89,12 +90,14 @@ def engine_options(args: argparse.Namespace) -> dict:
 
 def run_in_process(
     args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], float]:
     import torch
 
     from runtime import LLM, SamplingParams
 
+    launched = time.perf_counter()
     llm = LLM(args.model, dummy_weights=True, **engine_options(args))
+    startup_s = time.perf_counter() - launched
 
     def timed(batch: list[list[int]], params: list[SamplingParams]) -> float:
         if torch.cuda.is_available():
@@ -116,12 +119,18 @@ def run_in_process(
         figures["single"] = [
             timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)]) for _ in range(SINGLE_REPEATS)
         ]
-    return figures
+    return figures, startup_s
 
 
 async def _drive(
-    server: subprocess.Popen, base_url: str, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
-) -> dict[str, list[float]]:
+    server: subprocess.Popen,
+    launched: float,
+    base_url: str,
+    rounds: int,
+    prompts: list[list[int]],
+    lengths: list[int],
+    single: list[int] | None,
+) -> tuple[dict[str, list[float]], float]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
@@ -130,6 +139,7 @@ async def _drive(
 
     async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)) as http:
         await wait_healthy(http, 900, server)  # start-up loads weights and captures CUDA graphs
+        startup_s = time.perf_counter() - launched
 
         def body(ids: list[int], max_tokens: int, temperature: float, seed: int) -> bytes:
             return orjson.dumps(
@@ -157,14 +167,15 @@ async def _drive(
             figures["offline"].append(await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))]))
         if single:
             figures["single"] = [await timed([body(single, 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
-        return figures
+        return figures, startup_s
 
 
 def run_pipeline(
     args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
-) -> dict[str, list[float]]:
+) -> tuple[dict[str, list[float]], float]:
     port = free_port()
     options = engine_options(args)
+    launched = time.perf_counter()
     server = start_server(
         [
             "--model",
@@ -185,7 +196,7 @@ def run_pipeline(
         ]
     )
     try:
-        return asyncio.run(_drive(server, f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
+        return asyncio.run(_drive(server, launched, f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
     finally:
         stop_server(server)
 
@@ -236,7 +247,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = {"offline": {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)}}  # tell samples apart
     if single:
         sizes["single"] = {"prompt_tokens": len(single), "output_tokens": 512}
-    figures = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
+    figures, startup_s = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
     figure = {"offline": max, "single": statistics.median}
     config = EngineConfig(**engine_options(args))  # the device's defaults filled in, as the runs used them
@@ -250,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             **({"timed_runs": [round(v, 1) for v in values]} if len(values) > 1 else {}),
             **sizes[name],
             "command": command,
+            "startup_s": round(startup_s, 1),
             "date": datetime.date.today().isoformat(),
             **resolved,
             **({"data_parallel_size": args.data_parallel_size, "dp_policy": args.dp_policy} if mode == "pipeline" else {}),
@@ -258,6 +270,7 @@ def main(argv: list[str] | None = None) -> None:
         }
         for name, values in figures.items()
     ]
+    print(f"{Path(args.model).name} {mode} start-up: {startup_s:.1f} s")
     for run in runs:
         print(f"{run['model']} {mode} {run['workload']}: {run['tok_per_s']:,.0f} output tok/s")
     previous = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []

@@ -24,7 +24,7 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(tiny_smol, tmp_p
     assert [(r["mode"], r["workload"]) for r in runs] == [("pipeline", "offline"), ("in-process", "offline")]
     for run in runs:
         assert run["tok_per_s"] > 0 and run["command"].startswith("ringllm bench offline")
-        assert {"model", "date", "versions"} <= set(run)
+        assert {"model", "date", "versions"} <= set(run) and run["startup_s"] > 0
     pipeline, in_process = runs
     assert len(pipeline["timed_runs"]) == 2 and pipeline["tok_per_s"] == max(pipeline["timed_runs"])  # each on a flushed cache
     assert "timed_runs" not in in_process  # --rounds 1: one timed run
