@@ -14,9 +14,10 @@ import structlog
 from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
-from actors.frames import Delta, Deltas, FlushCache, Ping, Refusal, TokenItem, Tokens, decode
+from actors.frames import Announce, Delta, Deltas, FlushCache, Ping, Refusal, TokenItem, Tokens, decode
 from actors.kinds import worker_of
 from runtime.models.source import load_tokenizer
+from runtime.step import PromptLogprob
 from runtime.text.stop_matcher import StopMatcher
 
 log = structlog.get_logger()
@@ -36,6 +37,13 @@ class Stream:
 
     def __post_init__(self) -> None:
         self.matcher = StopMatcher(self.stop) if self.stop else None
+
+
+def _frames(deltas: list[Delta]) -> list[list[Delta]]:
+    """A step's deltas for one worker, those that bring a prompt (up to a few MB of log-probabilities
+    with their text) each in a frame of its own, so that no frame outgrows the ring."""
+    plain = [d for d in deltas if d.prompt is None]
+    return ([plain] if plain else []) + [[d] for d in deltas if d.prompt is not None]
 
 
 class DetokenizerActor(Actor):
@@ -59,7 +67,8 @@ class DetokenizerActor(Actor):
                         if (delta := self._apply(item)) is not None:
                             by_worker[worker_of(item.rid)].append(delta)
                     for worker, deltas in by_worker.items():
-                        await self.send(f"api{worker}", Deltas(deltas), epoch=frame.epoch)
+                        for part in _frames(deltas):
+                            await self.send(f"api{worker}", Deltas(part), epoch=frame.epoch)
                 case Ping() | FlushCache():
                     await self.send(f"api{worker_of(frame.rid)}", payload, frame.rid, epoch=frame.epoch)
                 case Refusal():
@@ -98,7 +107,9 @@ class DetokenizerActor(Actor):
                 "cached_tokens": stream.cached_tokens,
             }
         abort = finish is not None and item.finish is None
-        return Delta(rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=first is not None and first.resync)
+        prompt = self._prompt(first, item.prompt_logprobs) if first is not None and first.detok.prompt else None
+        resync = first is not None and first.resync
+        return Delta(rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=resync, prompt=prompt)
 
     def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
         """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
@@ -126,6 +137,21 @@ class DetokenizerActor(Actor):
             log.warning("decode_stream_reset", token=token, error=str(exc)[:200])
             stream.decoder = DecodeStream(skip_special_tokens=stream.skip_special_tokens)
             return stream.decoder.step(self.backend, token) or ""
+
+    def _prompt(self, first: Announce, logprobs: list[PromptLogprob] | None) -> dict:
+        """The prompt's text (echo) and, if asked, an entry per prompt token: its log-probability given
+        those before it (none for the first), rank, and the best alternatives, with their text."""
+        skip = first.detok.skip_special_tokens
+        out: dict = {"text": self.tokenizer.decode(first.prompt_ids, skip_special_tokens=skip), "logprobs": None}
+        if logprobs is not None:
+            ids = first.prompt_ids
+            unique = list({*ids, *(i for _, _, top in logprobs for i, _ in top)})
+            text = dict(zip(unique, self.tokenizer.batch_decode([[t] for t in unique])))  # one call: prompts run to thousands
+            out["logprobs"] = [{"token_id": ids[0], "token": text[ids[0]], "logprob": None, "rank": None, "top": []}] + [
+                {"token_id": t, "token": text[t], "logprob": lp, "rank": rank, "top": [[i, text[i], v] for i, v in top]}
+                for t, (lp, rank, top) in zip(ids[1:], logprobs)
+            ]
+        return out
 
     def _logprob_entries(self, new: list[int], top: list[tuple[int, float]], keep: int) -> list[dict]:
         """The sampled token's log-probability, and the `keep` best alternatives with their text."""

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors.kinds import Kind
-from runtime.step import Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
+from runtime.step import PromptLogprob, Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
 from transport import codec
 from transport.ring import Frame
 
@@ -42,6 +42,7 @@ class Detok:
     stop: list[str]
     skip_special_tokens: bool
     top_logprobs: int
+    prompt: bool = False  # the prompt's text and ids come back too (echo, prompt_logprobs)
 
 
 @dataclass(frozen=True)
@@ -150,6 +151,7 @@ class Announce:
     # after a detokenizer restart: `generated` is every token so far, and the text of all of them goes to the
     # api worker, which keeps what its client has not had yet
     resync: bool = False
+    prompt_ids: list[int] = field(default_factory=list)  # when detok.prompt: the prompt, whose text goes back
 
 
 @dataclass(slots=True)
@@ -161,12 +163,13 @@ class TokenItem:
     token_ids: list[int]  # the newest token, or none (aborted, or ended while being planned)
     logprobs: list[tuple[int, float]] | None = None  # the newest token's top log-probabilities
     announce: Announce | None = None
+    prompt_logprobs: list[PromptLogprob] | None = None  # with the first tokens, when the request asked for them
 
 
 @dataclass(frozen=True)
 class Tokens(Payload):
-    """One step's new tokens and finishes. Wire: [rid, finish, token count, logprobs, announce] an
-    item; arrays: the new tokens, then the announced histories."""
+    """One step's new tokens and finishes. Wire: [rid, finish, token count, logprobs, announce,
+    prompt logprobs] an item; arrays: the new tokens, then the announced histories and prompts."""
 
     KIND = Kind.TOKENS
     items: list[TokenItem]
@@ -177,23 +180,24 @@ class Tokens(Payload):
             tokens += i.token_ids
             announce = None
             if (a := i.announce) is not None:
-                history += a.generated
-                announce = [a.detok, len(a.generated), a.prompt_tokens, a.cached_tokens, a.resync]
-            meta.append([i.rid, i.finish, len(i.token_ids), i.logprobs, announce])
+                history += a.generated + a.prompt_ids
+                announce = [a.detok, len(a.generated), a.prompt_tokens, a.cached_tokens, a.resync, len(a.prompt_ids)]
+            meta.append([i.rid, i.finish, len(i.token_ids), i.logprobs, announce, i.prompt_logprobs])
         return meta, [tokens, history]
 
     @classmethod
     def from_wire(cls, meta: list, arrays: list) -> Tokens:
         tokens, history = (a.tolist() for a in arrays)
         items, at, seen = [], 0, 0
-        for rid, finish, n, logprobs, announce in meta:
+        for rid, finish, n, logprobs, announce, prompt_logprobs in meta:
             if announce is not None:
-                detok, count, prompt_tokens, cached_tokens, resync = announce
-                announce = Announce(Detok(**detok), history[seen : seen + count], prompt_tokens, cached_tokens, resync)
-                seen += count
+                detok, count, prompt_tokens, cached_tokens, resync, prompt_count = announce
+                generated, prompt_ids = history[seen : seen + count], history[seen + count : seen + count + prompt_count]
+                announce = Announce(Detok(**detok), generated, prompt_tokens, cached_tokens, resync, prompt_ids)
+                seen += count + prompt_count
             if logprobs is not None:
                 logprobs = [(t, lp) for t, lp in logprobs]
-            items.append(TokenItem(rid, finish, tokens[at : at + n], logprobs, announce))
+            items.append(TokenItem(rid, finish, tokens[at : at + n], logprobs, announce, prompt_logprobs))
             at += n
         return cls(items)
 
@@ -211,6 +215,7 @@ class Delta:
     usage: dict[str, int] | None = None  # with the finish: prompt_tokens, completion_tokens, cached_tokens
     error: Refusal | None = None
     resync: bool = False  # the whole completion so far (Announce.resync), not only what is new
+    prompt: dict | None = None  # with the first tokens when Detok.prompt: the prompt's text, and its logprobs if asked
 
     def as_dict(self) -> dict:
         """The form api.app reads from a request's inbox."""
@@ -221,26 +226,29 @@ class Delta:
             out["logprobs"] = self.logprobs
         if self.usage is not None:
             out["usage"] = self.usage
+        if self.prompt is not None:
+            out["prompt"] = self.prompt
         return out
 
 
 @dataclass(frozen=True)
 class Deltas(Payload):
     """One step's deltas for one api worker. Wire: [rid, text, token count, finish, abort, logprobs,
-    usage, error, resync] a delta; array: their token ids."""
+    usage, error, resync, prompt] a delta; array: their token ids."""
 
     KIND = Kind.DELTAS
     deltas: list[Delta]
 
     def to_wire(self) -> Wire:
-        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error, d.resync] for d in self.deltas]
+        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error, d.resync, d.prompt] for d in self.deltas]
         return meta, [[t for d in self.deltas for t in d.token_ids]]
 
     @classmethod
     def from_wire(cls, meta: list, arrays: list) -> Deltas:
         tokens, deltas, at = arrays[0].tolist(), [], 0
-        for rid, text, n, finish, abort, logprobs, usage, error, resync in meta:
-            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, error and Refusal(**error), resync))
+        for rid, text, n, finish, abort, logprobs, usage, error, resync, prompt in meta:
+            refusal = error and Refusal(**error)
+            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, refusal, resync, prompt))
             at += n
         return cls(deltas)
 

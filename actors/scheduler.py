@@ -49,8 +49,25 @@ TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous est
 
 
 def _announce_bytes(announce: Announce) -> int:
-    """An announcement's share of a frame: its tokens so far, and the stop strings (up to 6 bytes a character, escaped)."""
-    return 4 * len(announce.generated) + 6 * sum(map(len, announce.detok.stop))
+    """An announcement's share of a frame: its tokens so far and its prompt, and the stop strings (up to 6
+    bytes a character, escaped)."""
+    return 4 * (len(announce.generated) + len(announce.prompt_ids)) + 6 * sum(map(len, announce.detok.stop))
+
+
+def _first_item(request: Request, detok: Detok, generated: list[int], resync: bool = False) -> TokenItem:
+    """A request's item that announces it to the detokenizer (with its prompt and the prompt's
+    log-probabilities where the request asked for them); the caller adds its newest token."""
+    prompt_ids = request.prompt_ids if detok.prompt else []
+    announce = Announce(detok, generated, len(request.prompt_ids), request.cached_tokens, resync, prompt_ids)
+    return TokenItem(request.rid, None, [], None, announce, request.prompt_logprobs)
+
+
+def _item_bytes(item: TokenItem) -> int:
+    """An item's share of a frame, generously: JSON of its logprobs, prompt logprobs and announcement."""
+    size = 64 + 32 * len(item.logprobs or ())
+    if item.announce is not None:
+        size += _announce_bytes(item.announce)
+    return size + sum(48 + 32 * len(top) for _, _, top in item.prompt_logprobs or ())
 
 
 def _in_frames(sized: list[tuple[TokenItem, int]]) -> list[list[TokenItem]]:
@@ -215,8 +232,7 @@ class SchedulerActor(Actor):
         items = []
         for request in [*self.core.running, *self.core.waiting]:  # a waiting one may be preempted after its first tokens
             if request.rid not in self.announce and (detok := self.detoks.get(request.rid)) is not None:
-                announce = Announce(detok, list(request.output_ids), len(request.prompt_ids), request.cached_tokens, resync=True)
-                items.append(TokenItem(request.rid, None, [], None, announce))
+                items.append(_first_item(request, detok, list(request.output_ids), resync=True))
         recent = time.monotonic() - RESYNC_ENDED_S
         for rid, ended in self.ended.items():
             if ended is not None and ended.at > recent:
@@ -226,33 +242,32 @@ class SchedulerActor(Actor):
         log.info("detokenizer_resync", requests=len(items), refusals=len(refused))
         for rid, refusal in refused:
             await self.send("detokenizer", refusal, rid)
-        for frame in _in_frames([(item, 64 + _announce_bytes(item.announce)) for item in items]):
+        for frame in _in_frames([(item, _item_bytes(item)) for item in items]):
             await self.send("detokenizer", Tokens(frame))
 
     async def _emit(self, requests: list[Request], with_token: bool = True, epoch: int | None = None) -> None:
         """A frame per step: each request's newest token, and its finish reason if it finished
         (without a token: it was aborted, or outgrew the KV pool while being planned). A first token
-        brings the request's stop strings and a replay's earlier tokens along, so a step's items are
-        split across frames that each stay well inside the ring."""
+        brings the request's stop strings, a replay's earlier tokens and, where asked, the prompt and its
+        log-probabilities along, so a step's items are split across frames that each stay well inside the ring."""
         if not requests:
             return
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
-        sized: list[tuple[TokenItem, int]] = []
+        step_items: list[TokenItem] = []
         for request in requests:
-            announce, size = None, 64 + 32 * (request.params.logprobs or 0)
+            item = TokenItem(request.rid, None, [])
             if (generated := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know
-                announce = Announce(self.detoks[request.rid], generated, len(request.prompt_ids), request.cached_tokens)
-                size += _announce_bytes(announce)
+                item = _first_item(request, self.detoks[request.rid], generated)
                 self._on_prefilled(request)
+            item.finish = request.finish_reason
             if request.finish_reason is not None:
                 self._on_finished(request)
-            tokens, logprobs = [], None
             if request.finish_reason != "abort" and with_token:
-                tokens = [request.output_ids[-1]]
+                item.token_ids = [request.output_ids[-1]]
                 if request.params.logprobs is not None:
-                    logprobs = list(request.logprobs[-1].items())
-            sized.append((TokenItem(request.rid, request.finish_reason, tokens, logprobs, announce), size))
-        for items in _in_frames(sized):
+                    item.logprobs = list(request.logprobs[-1].items())
+            step_items.append(item)
+        for items in _in_frames([(item, _item_bytes(item)) for item in step_items]):
             sent = sum(len(item.token_ids) for item in items)
             self.m_generation_tokens.inc(sent)
             self.window.generation_tokens += sent

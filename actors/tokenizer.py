@@ -32,7 +32,7 @@ from actors.base import Actor
 from actors.frames import Abort, Payload, Refusal, Submit, Tokenized, decode
 from actors.gauges import TokenizerGauge
 from actors.replicas import Replicas
-from api.protocol import context_overflow
+from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
 from runtime.structured.grammars import GuideError, build_grammar
@@ -177,6 +177,13 @@ class TokenizerActor(Actor):
             await self._refuse(sub, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
         elif message := context_overflow(limit, len(ids), params["max_tokens"]):
             await self._refuse(sub, message, param="max_tokens")
+        elif (top := params.get("prompt_logprobs")) is not None and len(ids) * (top + 2) > MAX_PROMPT_LOGPROB_ENTRIES:
+            await self._refuse(
+                sub,
+                f"the prompt's log-probabilities (echo with logprobs, or prompt_logprobs) of {len(ids)} tokens with the top "
+                f"{top} each make {len(ids) * (top + 2)} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (N + 2))",
+                param="prompt_logprobs",
+            )
         elif req.guide is None or (params := await self._with_guide(sub, params)) is not None:  # the prompt's text stays here
             scheduler = self.replicas.place(ids)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)

@@ -18,7 +18,7 @@ from aiohttp.web_protocol import RequestPayloadError
 
 from api.chat_output import ChatOutput
 from api.errors import ApiError
-from api.protocol import Completion, Limits, choice, envelope, logprobs_block, parse, parse_prefixes, usage
+from api.protocol import Completion, Limits, choice, envelope, logprobs_block, parse, parse_prefixes, prompt_logprobs_block, usage
 from runtime.obs.metrics import exposition, metrics
 
 if TYPE_CHECKING:  # prometheus_client is imported by runtime.obs.metrics, once its storage is set
@@ -170,9 +170,25 @@ class ChoiceState:
     usage: dict | None = None
     started: bool = False
     token_chars: int = 0  # length of the token texts so far: where the next logprob's text_offset starts
+    prompt: dict | None = None  # the prompt's text and log-probabilities, when the request echoes or asked for them
     first_token_s: float | None = None
     last_token_at: float = 0.0
     output: ChatOutput | None = None  # a streamed chat choice's reasoning and tool-call parsers
+
+
+def _echoed(c: Completion, state: ChoiceState) -> tuple[str, list[dict]]:
+    """What an echo puts before a completion choice's text and its logprobs (trimmed to the request's N)."""
+    if not c.echo or state.prompt is None:
+        return "", []
+    entries = state.prompt["logprobs"] if c.logprobs is not None else None
+    return state.prompt["text"], [{**e, "top": e["top"][: c.logprobs]} for e in entries or ()]
+
+
+def _prompt_logprobs(c: Completion, state: ChoiceState) -> dict:
+    """vLLM's `prompt_logprobs` field, when asked: on a completion choice, or on a chat response."""
+    if c.prompt_logprobs is None or state.prompt is None:
+        return {}
+    return {"prompt_logprobs": prompt_logprobs_block(state.prompt["logprobs"], c.prompt_logprobs)}
 
 
 @dataclass(frozen=True)
@@ -276,7 +292,12 @@ class Handlers:
                 for j in range(c.n):
                     seed = c.params["seed"]
                     params = {**c.params, "seed": None if seed is None else (seed + j) % 2**63}
-                    detok = {"stop": c.stop, "skip_special_tokens": c.skip_special_tokens, "top_logprobs": c.logprobs or 0}
+                    detok = {
+                        "stop": c.stop,
+                        "skip_special_tokens": c.skip_special_tokens,
+                        "top_logprobs": c.logprobs or 0,
+                        "prompt": c.echo or c.prompt_logprobs is not None,
+                    }
                     index = p * c.n + j
                     trace = rid if len(c.prompts) * c.n == 1 else f"{rid}/{index}"
                     meta = {
@@ -293,7 +314,7 @@ class Handlers:
             if c.stream:
                 return await self._stream(request, c, inbox, choices, clock)
             while any(s.finish is None for s in choices.values()):
-                self._absorb(await inbox.get(), choices, clock)
+                self._absorb(c, await inbox.get(), choices, clock)
             return _json(self._whole(c, choices), headers={"X-Request-Id": rid})
         except ApiError as exc:
             log.info("failed", rid=rid, status=exc.status, error=exc.message)
@@ -305,9 +326,12 @@ class Handlers:
                     await self.gateway.abort(choice_rid)
 
     @staticmethod
-    def _absorb(delta: dict, choices: dict[int, ChoiceState], clock: RequestClock) -> ChoiceState:
+    def _absorb(c: Completion, delta: dict, choices: dict[int, ChoiceState], clock: RequestClock) -> ChoiceState:
         _raise_if_refused(delta)
         state = choices[delta["rid"]]
+        if state.prompt is None and "prompt" in delta:  # with the first tokens (again after a replay: kept once)
+            state.prompt = delta["prompt"]
+            state.token_chars += sum(len(e["token"]) for e in _echoed(c, state)[1])
         state.text.append(delta["text"])
         state.token_ids += delta["token_ids"]
         state.logprobs += delta.get("logprobs", [])
@@ -352,10 +376,16 @@ class Handlers:
     def _whole(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         out = []
         for s in sorted(choices.values(), key=lambda s: s.index):
-            logprobs = logprobs_block(c.chat, s.logprobs, 0) if c.logprobs is not None else None
+            echo_text, echo_entries = _echoed(c, s)
+            logprobs = logprobs_block(c.chat, echo_entries + s.logprobs, 0) if c.logprobs is not None else None
             text, parts, finish = self._parsed(self._chat_output(c), "".join(s.text), s.finish, stream=False)
-            out.append(choice(c, s.index, text, finish, logprobs, s.token_ids if c.echo_token_ids else None, delta=False, parts=parts))
-        return {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
+            token_ids = s.token_ids if c.echo_token_ids else None
+            text = echo_text + text if echo_text else text  # a chat message's content may be None (tool calls)
+            body = choice(c, s.index, text, finish, logprobs, token_ids, delta=False, parts=parts)
+            out.append(body if c.chat else body | _prompt_logprobs(c, s))
+        response = {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
+        first = next(s for s in choices.values() if s.index == 0)
+        return response | _prompt_logprobs(c, first) if c.chat else response  # a chat request has one prompt
 
     async def _stream(
         self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState], clock: RequestClock
@@ -368,14 +398,20 @@ class Handlers:
         try:
             while delta is not None:
                 offset = choices[delta["rid"]].token_chars  # where this delta's logprob offsets start
-                state = self._absorb(delta, choices, clock)
+                state = self._absorb(c, delta, choices, clock)
                 chunk = envelope(c, chunk=True)
-                logprobs = logprobs_block(c.chat, delta.get("logprobs", []), offset) if c.logprobs is not None else None
+                echo_text, echo_entries = _echoed(c, state) if not state.started else ("", [])
+                entries = echo_entries + delta.get("logprobs", [])
+                logprobs = logprobs_block(c.chat, entries, offset) if c.logprobs is not None else None
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
                 text, parts, finish = self._parsed(state.output, delta["text"], state.finish, stream=True)
-                chunk["choices"] = [
-                    choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=not state.started, parts=parts)
-                ]
+                first = not state.started
+                text = echo_text + text if echo_text else text
+                body = choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=first, parts=parts)
+                extra = _prompt_logprobs(c, state) if first else {}
+                chunk["choices"] = [body if c.chat else body | extra]
+                if c.chat:
+                    chunk |= extra
                 state.started = True
                 if c.include_usage:  # each chunk's running total with continuous_usage_stats, as vLLM
                     chunk["usage"] = self._usage(c, choices) if c.continuous_usage else None

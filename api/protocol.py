@@ -24,7 +24,9 @@ MAX_STOP_CHARS = 256  # of one stop string: the detokenizer holds back up to thi
 MAX_STOP_TOKEN_IDS = 256
 ROLES = {"system", "user", "assistant", "developer", "tool"}
 # fields that change the output, refused with a 400 unless left at their no-op value: never accepted and ignored
-UNSUPPORTED = {"echo": False, "best_of": 1, "suffix": None, "prompt_logprobs": None}
+UNSUPPORTED = {"best_of": 1, "suffix": None}
+# prompt_logprobs entries (prompt tokens x (N + 2)) one request may ask for: the frames that carry them stay well inside a ring
+MAX_PROMPT_LOGPROB_ENTRIES = 1 << 15
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_WARM_PREFIXES = 64  # in one POST /warm_prefixes
 # what the chat template takes, refused on /v1/completions rather than ignored
@@ -73,6 +75,8 @@ class Completion:
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (with include_usage)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None  # top-N per token; 0 asks for the chosen token's only
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' log-probabilities) comes first
+    prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the top N there
     echo_token_ids: bool = False
     skip_special_tokens: bool = True
     guide: Guide | None = None  # what the output is held to (api.guides)
@@ -246,6 +250,8 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
             raise ApiError(f"'{name}' is not supported by this server", param=name)
     if not chat and (given := [name for name in CHAT_ONLY if body.get(name) is not None]):
         raise ApiError(f"'{given[0]}' is for chat completions (/v1/chat/completions)", param=given[0])
+    if chat and body.get("echo") not in (None, False):
+        raise ApiError("'echo' is for completions (/v1/completions)", param="echo")
     guide, tools = guide_of(body), tools_of(body)  # completions have no tools: refused above
     if tools is not None and tools.forced:
         if guide is not None:
@@ -275,6 +281,8 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     for prompt in prompts:
         _check_prompt_size(prompt, max_tokens, limits)
     logprobs = _logprobs(body, chat)
+    echo = _get(body, "echo", (bool,), False)
+    prompt_logprobs = _get(body, "prompt_logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be between 0 and {MAX_LOGPROBS}")
     stream = _get(body, "stream", (bool,), default=False)
     options = _get(body, "stream_options", (dict,))
     if options is not None and not stream:
@@ -294,6 +302,8 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
         repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= 2, "must be in (0, 2]"),
         logprobs=logprobs,
+        # what the engine computes over the prompt: an echo with logprobs needs them too
+        prompt_logprobs=max((n for n in (prompt_logprobs, logprobs if echo else None) if n is not None), default=None),
         priority=_get(body, "priority", (int,), 0, lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
         logit_bias=_logit_bias(body, limits.vocab_size),
     )
@@ -310,6 +320,8 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         stop=stop,
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}"),
         logprobs=logprobs,
+        echo=echo,
+        prompt_logprobs=prompt_logprobs,
         echo_token_ids=_get(body, "return_token_ids", (bool,), False),
         skip_special_tokens=_get(body, "skip_special_tokens", (bool,), True),
         guide=guide,
@@ -376,9 +388,21 @@ def logprobs_block(chat: bool, entries: list[dict], text_offset: int) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        "top_logprobs": [{t: lp for _, t, lp in e["top"]} for e in entries],
+        # an echoed prompt's first token has no log-probability, nor alternatives
+        "top_logprobs": [None if e["logprob"] is None else {t: lp for _, t, lp in e["top"]} for e in entries],
         "text_offset": offsets,
     }
+
+
+def prompt_logprobs_block(entries: list[dict], top: int) -> list[dict | None]:
+    """vLLM's prompt_logprobs: None for the first prompt token, then per token {token id: {logprob,
+    rank, decoded_token}} for the token itself and the `top` likeliest there."""
+    out: list[dict | None] = [None]
+    for e in entries[1:]:
+        position = {str(i): {"logprob": lp, "rank": rank, "decoded_token": t} for rank, (i, t, lp) in enumerate(e["top"][:top], 1)}
+        position[str(e["token_id"])] = {"logprob": e["logprob"], "rank": e["rank"], "decoded_token": e["token"]}
+        out.append(position)
+    return out
 
 
 def envelope(c: Completion, chunk: bool) -> dict:

@@ -22,6 +22,7 @@ from runtime.models.source import load_tokenizer, resolve_model_dir
 from runtime.obs.gc_pauses import freeze_startup_heap
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Request, Scheduler
+from runtime.step import PromptLogprob
 from transport.lifetime import on_parent_death
 
 
@@ -33,6 +34,8 @@ class GenerationOutput:
     logprobs: list[dict[int, float]] | None
     prompt_tokens: int
     cached_tokens: int
+    # with SamplingParams.prompt_logprobs: per prompt position after the first, (log-probability, rank, top pairs)
+    prompt_logprobs: list[PromptLogprob] | None = None
 
 
 def _serve_rank(model_dir: Path, config: EngineConfig, rank: int, rendezvous: str) -> None:
@@ -129,6 +132,7 @@ class LLM:
             logprobs=request.logprobs if request.params.logprobs is not None else None,
             prompt_tokens=len(request.prompt_ids),
             cached_tokens=request.cached_tokens,
+            prompt_logprobs=request.prompt_logprobs,
         )
 
     def flush_cache(self) -> int:

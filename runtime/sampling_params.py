@@ -21,6 +21,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # each prompt token's log-probability and the top N there (vLLM's); skips the prefix cache
     priority: int = 0  # under the priority schedule policy, lower goes first (as vLLM)
     guide: tuple[str, str] | None = None  # (kind, spec) of runtime.structured.grammars: draws keep to its grammar
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits, as OpenAI's
@@ -40,6 +41,7 @@ class SamplingParams:
             "frequency_penalty must be in [-2, 2]": -2 <= self.frequency_penalty <= 2,
             "repetition_penalty must be > 0": self.repetition_penalty > 0,
             "logprobs must be >= 0": self.logprobs is None or self.logprobs >= 0,
+            "prompt_logprobs must be >= 0": self.prompt_logprobs is None or self.prompt_logprobs >= 0,
             "logit_bias must be in [-100, 100]": all(-100 <= b <= 100 for _, b in self.logit_bias),
         }
         if failed := [message for message, ok in checks.items() if not ok]:

@@ -41,11 +41,16 @@ class StepPlan:
         return bool(self.chunks or self.decodes)
 
 
+# a prompt token's log-probability given the tokens before it, its rank, and the top (id, log-probability) pairs there
+PromptLogprob = tuple[float, int, list[tuple[int, float]]]
+
+
 @dataclass(frozen=True)
 class Sampled:
     slot: int
     token: int
     logprobs: dict[int, float] | None
+    prompt_logprobs: list[PromptLogprob] | None = None  # with a slot's first token: positions 1.. of its prompt
 
 
 def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
@@ -85,9 +90,12 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
 
 def results_to_wire(step: int, results: list[Sampled]) -> tuple[dict, list[list[int]]]:
     logprobs = [[r.slot, list(r.logprobs.items())] for r in results if r.logprobs is not None]
-    return {"step": step, "logprobs": logprobs}, [[r.slot for r in results], [r.token for r in results]]
+    prompt_logprobs = [[r.slot, r.prompt_logprobs] for r in results if r.prompt_logprobs is not None]
+    meta = {"step": step, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    return meta, [[r.slot for r in results], [r.token for r in results]]
 
 
 def results_from_wire(meta: dict, arrays: list) -> list[Sampled]:
     logprobs = {slot: {int(t): lp for t, lp in pairs} for slot, pairs in meta["logprobs"]}
-    return [Sampled(slot, token, logprobs.get(slot)) for slot, token in zip(arrays[0].tolist(), arrays[1].tolist())]
+    prompts = {slot: [(lp, rank, [(t, v) for t, v in top]) for lp, rank, top in rows] for slot, rows in meta["prompt_logprobs"]}
+    return [Sampled(slot, token, logprobs.get(slot), prompts.get(slot)) for slot, token in zip(arrays[0].tolist(), arrays[1].tolist())]

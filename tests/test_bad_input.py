@@ -111,8 +111,10 @@ SHARED: list[tuple[str, str, Any]] = [
     ("stream_options-without-stream", "stream_options", {"include_usage": True}),
     ("ignore_eos-string", "ignore_eos", "yes"),
     ("model-wrong-type", "model", 5),
+    ("prompt_logprobs-21", "prompt_logprobs", 21),
     # fields that would change the output and are not implemented: a 400, never a plain-text 200
-    ("prompt_logprobs", "prompt_logprobs", 1),
+    ("best_of-2", "best_of", 2),
+    ("prompt_logprobs-string", "prompt_logprobs", "all"),
     ("tool_choice-required-without-tools", "tool_choice", "required"),
     # malformed constraints and template options (tests/test_structured_output.py has the well-formed)
     ("response_format-unknown-type", "response_format", {"type": "yaml"}),

@@ -117,6 +117,27 @@ def test_logprobs_and_greedy_agree(tiny_model):
         assert len(top) == 3 and max(top, key=top.get) == token and all(lp <= 0 for lp in top.values())
 
 
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prompt_logprobs_over_chunks_equal_transformers_and_skip_the_prefix_cache(tiny_model, page_size):
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model("llama")
+    llm = LLM(folder, dtype="float32", page_size=page_size, max_prefill_tokens=16)  # the prompt takes three chunks
+    prompt = random_prompts(1, range(40, 41), seed=4)[0]
+    first, again = llm.generate([prompt, prompt], SamplingParams(max_tokens=2, temperature=0, prompt_logprobs=3))
+    with torch.no_grad():
+        model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        expected = torch.log_softmax(model(torch.tensor([prompt])).logits[0], -1)
+    assert again.cached_tokens == 0  # the second's prompt was computed anew, not read from the cache
+    assert [lp for lp, _, _ in again.prompt_logprobs] == pytest.approx([lp for lp, _, _ in first.prompt_logprobs], abs=1e-5)
+    assert len(first.prompt_logprobs) == len(prompt) - 1
+    for position, (logprob, rank, top) in enumerate(first.prompt_logprobs, 1):
+        row = expected[position - 1]
+        assert logprob == pytest.approx(row[prompt[position]].item(), abs=1e-4)
+        assert int((row > logprob + 1e-4).sum()) + 1 <= rank <= int((row > logprob - 1e-4).sum()) + 1
+        assert [t for t, _ in top] == row.topk(3).indices.tolist()
+
+
 @pytest.mark.parametrize(
     "bad",
     [
@@ -128,6 +149,7 @@ def test_logprobs_and_greedy_agree(tiny_model):
         dict(presence_penalty=3),
         dict(repetition_penalty=0),
         dict(logprobs=-1),
+        dict(prompt_logprobs=-1),
     ],
 )
 def test_invalid_sampling_parameters_are_refused(bad):

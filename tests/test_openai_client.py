@@ -316,3 +316,72 @@ async def test_continuous_usage_stats_put_the_running_usage_in_every_chunk(sync_
     assert last.usage.completion_tokens == 12 and prompt > 0
     completions = [chunk.usage.completion_tokens for chunk in body]
     assert completions == list(range(1, 13)) and all(chunk.usage.prompt_tokens == prompt for chunk in body)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2) -> Callable[[list[int]], Any]:
+    """transformers' own log-softmax over a prompt (float32, as the server runs)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32).eval()
+
+    def log_softmax(ids: list[int]) -> Any:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return log_softmax
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_echo_puts_the_prompt_and_its_logprobs_first(sync_api: Api, smollm2, reference, stream: bool) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2)
+    ids = tokenizer.encode(STORY + ", in a village by the sea, there lived an old fisherman")
+    result = await sync_api.create(stream=stream, prompt=ids, max_tokens=4, echo=True, logprobs=2, extra_body={"ignore_eos": True})
+    blocks = result.one.logprobs if stream else [result.one.logprobs]
+    tokens, logprobs = [t for b in blocks for t in b.tokens], [lp for b in blocks for lp in b.token_logprobs]
+    tops, offsets = [top for b in blocks for top in b.top_logprobs], [o for b in blocks for o in b.text_offset]
+    assert result.one.text.startswith(tokenizer.decode(ids)) and "".join(tokens) == result.one.text
+    assert len(tokens) == len(logprobs) == len(tops) == len(ids) + 4 and result.usage.prompt_tokens == len(ids)
+    assert tokens[: len(ids)] == [tokenizer.decode([t]) for t in ids]
+    assert logprobs[0] is None and tops[0] is None  # nothing comes before the first prompt token
+    expected = reference(ids)
+    for position in range(1, len(ids)):
+        assert logprobs[position] == pytest.approx(expected[position - 1, ids[position]].item(), abs=2e-3)
+        assert len(tops[position]) == 2 and max(tops[position].values()) >= logprobs[position] - 1e-5
+    assert offsets == [len("".join(tokens[:i])) for i in range(len(tokens))]
+
+
+async def test_prompt_logprobs_are_the_models_own_and_skip_the_prefix_cache(sync_api: Api, smollm2, reference) -> None:
+    from transformers import AutoTokenizer
+
+    prompt = f"Session {uuid.uuid4().hex}: " + "the quick brown fox jumps over the lazy dog. " * 8
+    await sync_api.create(prompt=prompt, max_tokens=2)  # now cached
+    response = sync_api.client.completions.create(model=sync_api.model, prompt=prompt, max_tokens=2, extra_body={"prompt_logprobs": 3})
+    assert response.usage.prompt_tokens_details.cached_tokens == 0  # every position's logits were computed again
+    positions = response.choices[0].model_extra["prompt_logprobs"]
+    ids = AutoTokenizer.from_pretrained(smollm2).encode(prompt)
+    assert len(positions) == len(ids) == response.usage.prompt_tokens and positions[0] is None
+    expected = reference(ids)
+    for position, entries in enumerate(positions[1:], 1):
+        row, own = expected[position - 1], entries[str(ids[position])]
+        assert own["logprob"] == pytest.approx(row[ids[position]].item(), abs=2e-3)
+        # its rank, give or take the tokens within the tolerance of it
+        assert int((row > own["logprob"] + 2e-3).sum()) + 1 <= own["rank"] <= int((row > own["logprob"] - 2e-3).sum()) + 1
+        best = sorted((e["rank"], e["logprob"], int(i)) for i, e in entries.items())[:3]
+        assert [rank for rank, _, _ in best] == [1, 2, 3] and best[0][1] == pytest.approx(row.max().item(), abs=2e-3)
+
+
+async def test_prompt_logprobs_past_their_bound_get_a_400_and_chat_refuses_echo(sync_api: Api) -> None:
+    long_prompt = list(range(100, 1700))  # 1,600 tokens x (20 + 2) entries: past the 32,768 a request may ask for
+    with pytest.raises(openai.BadRequestError, match="at most 32768"):
+        sync_api.client.completions.create(model=sync_api.model, prompt=long_prompt, max_tokens=1, extra_body={"prompt_logprobs": 20})
+    with pytest.raises(openai.BadRequestError, match="'echo' is for completions"):
+        sync_api.client.chat.completions.create(model=sync_api.model, messages=CAPITAL, max_tokens=1, extra_body={"echo": True})
+    chat = sync_api.client.chat.completions.with_raw_response.create(
+        model=sync_api.model, messages=CAPITAL, max_tokens=1, extra_body={"prompt_logprobs": 0}
+    ).parse()
+    positions = chat.model_extra["prompt_logprobs"]  # vLLM puts a chat request's on the response
+    assert len(positions) == chat.usage.prompt_tokens and all(len(p) == 1 for p in positions[1:])

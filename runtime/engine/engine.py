@@ -24,7 +24,7 @@ from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
-from runtime.engine.sampling import Feedback, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
+from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.cpu_linears import default_dtype
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
@@ -60,6 +60,7 @@ class SlotState:
     output_ids: list[int]  # read back so far
     sampled: int  # tokens drawn, read back or not: the position of the next draw is prompt + sampled
     num_pages: int = 0
+    prompt_logprobs: list[PromptLogprobs] = field(default_factory=list)  # the chunks' so far, until the first draw
 
     def row(self) -> SampleRow:
         return SampleRow(self.params, self.seed, len(self.prompt_ids) + self.sampled, self.prompt_ids, self.output_ids)
@@ -75,6 +76,7 @@ class PendingStep:
     sample: Sample | None  # None: the step sampled nothing
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None
+    prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by row: a first draw's prompt, on the host
     _results: list[Sampled] | None = field(default=None)
 
     @property
@@ -93,7 +95,9 @@ class PendingStep:
             logprobs = logprob_dicts(self.sample, self.rows, tokens) if self.sample else []
             for state, token in zip(self.states, tokens):
                 state.output_ids.append(token)
-            self._results = [Sampled(slot, token, lp) for slot, token, lp in zip(self.slots, tokens, logprobs)]
+            prompts = {i: p.rows() for i, p in self.prompt_logprobs.items()}
+            rows = enumerate(zip(self.slots, tokens, logprobs))
+            self._results = [Sampled(slot, token, lp, prompts.get(i)) for i, (slot, token, lp) in rows]
         return self._results
 
 
@@ -301,7 +305,23 @@ class Engine:
         else:
             self.attention.prepare(step.meta)
             hidden = self.model(batch, self.attention)
+        self._prompt_logprobs(plan, step, hidden)
         return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
+
+    def _prompt_logprobs(self, plan: StepPlan, step: HostStep, hidden: torch.Tensor) -> None:
+        """For chunks of slots that asked: the log-probability of each prompt token the chunk's rows
+        predict, kept on the slot until its first draw."""
+        for i, chunk in enumerate(plan.chunks):
+            state = self.slots[chunk.slot]
+            if state.params.prompt_logprobs is None:
+                continue
+            first = int(step.qo_indptr[i])
+            start = int(step.positions[first])
+            count = min(len(chunk.token_ids), len(state.prompt_ids) - 1 - start)  # the prompt's last row predicts the output
+            if count > 0:
+                targets = self._to_device(np.array(state.prompt_ids[start + 1 : start + 1 + count], dtype=np.int64))
+                rows = hidden[first : first + count]
+                state.prompt_logprobs.append(PromptLogprobs.of(self.model.logits, rows, targets, state.params.prompt_logprobs))
 
     def _sample(self, step: HostStep, logits: torch.Tensor, sample_slots_on_device: torch.Tensor | None, constrained: bool) -> PendingStep:
         """Queues the draw of the sampling rows (masked by their grammars where `constrained`); each
@@ -324,6 +344,10 @@ class Engine:
     def _pending(self, states: list[SlotState], slots: list[int], rows: list[SampleRow], drawn: Sample, host: torch.Tensor) -> PendingStep:
         """`host` holds the draws (in pinned memory on CUDA, written by the step); the step's event
         covers them: reading them must not wait on later steps."""
+        prompts = {}
+        for i, state in enumerate(states):
+            if state.prompt_logprobs:
+                prompts[i], state.prompt_logprobs = PromptLogprobs.joined(state.prompt_logprobs), []
         if self.device.type == "cuda":
             if drawn.logprob_rows:
                 drawn.top_ids, drawn.top_values, drawn.chosen = (
@@ -331,9 +355,9 @@ class Engine:
                 )
             done = torch.cuda.Event()
             done.record()
-            step = PendingStep(states, slots, rows, drawn, host, done)
+            step = PendingStep(states, slots, rows, drawn, host, done, prompts)
         else:
-            step = PendingStep(states, slots, rows, drawn, host, None)
+            step = PendingStep(states, slots, rows, drawn, host, None, prompts)
         while self._unread and self._unread[0].read:
             self._unread.popleft()
         self._unread.append(step)

@@ -178,6 +178,40 @@ def sample(
     return result
 
 
+PROMPT_LOGPROB_BLOCK = 1024  # rows whose full-vocabulary log-probabilities exist at once
+
+
+@dataclass
+class PromptLogprobs:
+    """Log-probabilities of prompt tokens given the tokens before them (the model's, before any
+    penalty), their ranks, and the top N ids and values at each of those positions."""
+
+    logprob: torch.Tensor  # [n]
+    rank: torch.Tensor  # [n]: 1 + the number of tokens more likely than the prompt's
+    top_ids: torch.Tensor  # [n, N]
+    top_values: torch.Tensor  # [n, N]
+
+    @classmethod
+    def of(cls, logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, top: int) -> PromptLogprobs:
+        """From the hidden states of the rows before `targets`, a block of rows at a time."""
+        parts = []
+        for at in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
+            logprobs = torch.log_softmax(logits_of(hidden[at : at + PROMPT_LOGPROB_BLOCK]).float(), dim=-1)
+            chosen = logprobs.gather(1, targets[at : at + PROMPT_LOGPROB_BLOCK, None])
+            best = logprobs.topk(top, dim=-1)
+            parts.append((chosen[:, 0], (logprobs > chosen).sum(-1) + 1, best.indices, best.values))
+        return cls(*(torch.cat(column) for column in zip(*parts)))
+
+    @classmethod
+    def joined(cls, parts: list[PromptLogprobs]) -> PromptLogprobs:
+        """A prompt's chunks in order, on the host (a non-blocking copy: read it after the step's event)."""
+        return cls(*(torch.cat([getattr(p, name) for p in parts]).to("cpu", non_blocking=True) for name in cls.__dataclass_fields__))
+
+    def rows(self) -> list[tuple[float, int, list[tuple[int, float]]]]:
+        """Per position: (log-probability, rank, top (id, log-probability) pairs)."""
+        return [(lp, rank, list(zip(ids, values))) for lp, rank, ids, values in zip(*(t.tolist() for t in vars(self).values()))]
+
+
 DRAW_KINDS = (SamplingParams(temperature=0), SamplingParams(), SamplingParams(temperature=0, logprobs=1), SamplingParams(top_k=2))
 
 

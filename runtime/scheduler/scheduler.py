@@ -11,7 +11,7 @@ from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
-from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, Sampled, StepPlan
+from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
 
@@ -24,6 +24,7 @@ class Request:
     seed: int
     output_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
+    prompt_logprobs: list[PromptLogprob] | None = None  # positions 1.. of the prompt, with the first token
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     matched: int = 0  # tokens found in the prefix cache at its latest admission
@@ -150,7 +151,7 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Admit only what can prefill its whole known sequence from free or evictable pages."""
-        if self.cache is not None:
+        if self.cache is not None and request.params.prompt_logprobs is None:  # those need every prompt position's logits
             pages, node = self.cache.match(request.tokens[:-1])  # the last token must be computed
             self.cache.lock(node)
             request.prefix, request.pages, request.shared_pages = node, list(pages), len(pages)
@@ -240,6 +241,8 @@ class Scheduler:
             request.output_ids.append(result.token)
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
+            if request.prompt_logprobs is None:  # a preempted request's recomputed prompt gives them again
+                request.prompt_logprobs = result.prompt_logprobs
             if reason := self._finish_reason(request, result.token):
                 request.finish_reason = reason
                 self._finish(request)
