@@ -17,12 +17,18 @@ debug level each step is also logged with its size and how long its launch held 
 On CPU, where launch runs the whole step and holds the loop, the engine beats between two layers (a
 long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
 there: nobody waits for its tokens, and the replay's first step should not wait for it.
+
+Where the KV pool outlives the engine (actors.pipeline.kv_pool_segment: on CPU, one rank), it lives in
+a shared segment that a replacement engine maps as it is, and the restart keeps the epoch: the new
+engine skips the plans its predecessor left in the ring, up to the scheduler's resync plan, which
+opens the running requests' slots over their pages again (runtime.scheduler.Scheduler.reopen).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import os
 import time
 from collections import deque
@@ -35,12 +41,13 @@ import torch
 from actors.base import Actor
 from actors.frames import Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
-from actors.pipeline import scheduler_names
+from actors.pipeline import kv_pool_segment, scheduler_names
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.batch import StepAbandoned
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
+from transport.segment import Segment, server_prefix
 
 log = structlog.get_logger()
 
@@ -67,7 +74,12 @@ class EngineActor(Actor):
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1
-        self.engine = Engine(Path(serve.model_dir), config, tp, device)
+        self.kv_segment: Segment | None = None
+        kv_memory = None
+        if (pool := kv_pool_segment(serve, replica)) is not None:  # the pool outlives this engine: map it, or make it
+            kv_memory = functools.partial(self._shared_kv, server_prefix(self.ctx.server) + pool)
+        self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory)
+        self.synced = False  # plans before the scheduler's next resync were meant for an engine before this one
         if device.type == "cpu":  # launch runs the whole step: beat through it, and cut it short in a new epoch
             self.engine.between_layers = self._beat_and_check_epoch
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
@@ -75,6 +87,10 @@ class EngineActor(Actor):
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
+
+    def _shared_kv(self, name: str, size: int) -> torch.Tensor:
+        self.kv_segment = Segment.shared(name, size)
+        return torch.frombuffer(self.kv_segment.buf, dtype=torch.uint8)
 
     def _beat_and_check_epoch(self) -> bool:
         self.beat()
@@ -99,6 +115,10 @@ class EngineActor(Actor):
                     continue
                 assert isinstance(payload, Step)
                 plan = payload.plan
+                if not (self.synced or plan.resync):
+                    log.info("step_skipped", step=plan.step)  # its predecessor's: the scheduler plans it again
+                    continue
+                self.synced = True
                 if not self.in_flight:
                     self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step

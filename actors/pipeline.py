@@ -72,6 +72,15 @@ def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
     return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in range(ranks)]
 
 
+def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
+    """The shared-memory segment (after the server's prefix) that holds a replica's KV pool, where the
+    pool outlives its engine: on CPU, one rank. A replacement engine maps it, the scheduler keeps its
+    page table, and no request is recomputed. On a GPU the pool dies with its engine, as under
+    tensor parallelism, and the restart starts a new epoch."""
+    engine = config.engine
+    return f"kv{replica}" if engine.device == "cpu" and engine.tensor_parallel_size == 1 else None
+
+
 def pipeline(config: ServeConfig) -> Topology:
     options = {"serve": config}
     workers, schedulers = api_worker_names(config), scheduler_names(config)
@@ -90,8 +99,9 @@ def pipeline(config: ServeConfig) -> Topology:
                 preload=("torch",),
                 watchdog_s=config.watchdog_timeout,
                 group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
-                # on CPU a second copy of the weights and pool is cheap; on a GPU it would halve the pool
+                # on CPU a second copy of the weights is cheap (the pool is shared); on a GPU it would halve the pool
                 spare=config.warm_spares and ranks == 1 and config.engine.device == "cpu",
+                keeps_epoch=kv_pool_segment(config, replica) is not None,
             )
             for rank, name in enumerate(names)
         ]
@@ -117,4 +127,5 @@ def pipeline(config: ServeConfig) -> Topology:
             for i, name in enumerate(workers)
         ),
     )
-    return Topology(server=str(config.port), actors=actors, edges=tuple(edges))
+    kept = tuple(name for r in range(len(schedulers)) if (name := kv_pool_segment(config, r)) is not None)
+    return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept)

@@ -20,7 +20,7 @@ import structlog
 from actors.base import Actor
 from actors.frames import Abort, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
 from actors.gauges import EngineGauge, SchedulerGauge
-from actors.pipeline import engine_names
+from actors.pipeline import engine_names, kv_pool_segment
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.sampling_params import SamplingParams
@@ -45,6 +45,7 @@ class Ended:
     at: float = field(default_factory=time.monotonic)
 
 
+ENGINE_LOOK_S = 0.05  # how often a scheduler waiting on its engine's steps looks whether the engine died
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
 
@@ -130,6 +131,8 @@ class SchedulerActor(Actor):
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
+        # an engine restart that keeps the epoch (its KV pool outlives it) is resynced over that pool
+        self._engine_slot = self.control.index(self.engines[0]) if kv_pool_segment(serve, self.replica) else None
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
@@ -143,6 +146,7 @@ class SchedulerActor(Actor):
         self.refused: dict[int, tuple[Refusal, float]] = {}  # likewise, the requests refused here, and when
         # a restart of the detokenizer that keeps the epoch is resynced; one before this epoch is covered by its replay
         self._detokenizer_restarts, self._resync = int(self.control.slots[self._detokenizer_slot]["restarts"]), False
+        self._engine_restarts, self._engine_lost = self._restarts(self._engine_slot), False
         self.in_flight: deque[int] = deque()
         self._publish_gauges()  # a new epoch starts empty
 
@@ -153,16 +157,24 @@ class SchedulerActor(Actor):
         finally:
             reporter.cancel()
 
+    def _restarts(self, index: int | None) -> int:
+        return 0 if index is None else int(self.control.slots[index]["restarts"])
+
     def on_tick(self) -> None:
-        restarts = int(self.control.slots[self._detokenizer_slot]["restarts"])
+        restarts = self._restarts(self._detokenizer_slot)
         if restarts != self._detokenizer_restarts:  # a restart within the epoch: the next turn of the loop resyncs it
             self._detokenizer_restarts, self._resync = restarts, True
+        if (restarts := self._restarts(self._engine_slot)) != self._engine_restarts:
+            self._engine_restarts, self._engine_lost = restarts, True
 
     async def _serve(self) -> None:
         while True:
             if self._resync:  # before any later tokens leave, so that none reaches it ahead of its request's resync
                 self._resync = False
                 await self._resync_detokenizer()
+            if self._engine_lost:
+                self._engine_lost = False
+                await self._resync_engine()
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
             epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
@@ -176,7 +188,18 @@ class SchedulerActor(Actor):
                     self.in_flight.append(plan.step)
                 self._publish_gauges()
                 continue
-            await self._handle(*await self.next_frame())
+            # while steps are in flight, look up now and then: their engine may have died, and nothing would come
+            if (got := await self.next_frame(ENGINE_LOOK_S if self.in_flight and self._engine_slot is not None else None)) is not None:
+                await self._handle(*got)
+
+    async def _resync_engine(self) -> None:
+        """Its engine died and another maps the same KV pool: take in what the dead one answered before it
+        died, then reopen every running request over its pages; the steps it left unanswered are planned again."""
+        while (got := self.poll_frame()) is not None:
+            await self._handle(*got)
+        log.info("engine_resync", running=len(self.core.running), lost_steps=list(self.in_flight))
+        self.in_flight.clear()
+        self.core.reopen()
 
     async def _handle(self, peer: str, frame: Frame) -> None:
         rid = frame.rid

@@ -228,6 +228,8 @@ class Supervisor:
             bell.close()
         self.control.close()
         unlink_segment(self.metrics_dir)
+        for name in self.topology.kept:
+            unlink_segment(self.topology.prefix + name)
         for group in self._group_starts:
             unlink_segment(self._rendezvous(group))
         if leftovers := list_segments(self.topology.prefix):

@@ -28,8 +28,9 @@ class ActorSpec:
     # a warm spare: a second process of this actor that has run its setup and sleeps until the supervisor
     # promotes it in place of one that died or hung (actors whose start-up is slow and state soft)
     spare: bool = False
-    # its restart keeps the epoch: the peers keep their requests, and each api worker resubmits those of its
-    # requests the actor may have held (no answer yet), which the scheduler takes once (an actor off the token path)
+    # its restart keeps the epoch: the peers keep their requests, and those that watch its row make up for what
+    # it held (api workers resubmit what the tokenizer may have held; a scheduler resyncs its detokenizer, or its
+    # engine over the KV pool the engine left)
     keeps_epoch: bool = False
 
     def load_class(self) -> type:
@@ -49,6 +50,7 @@ class Topology:
     server: str  # the port it serves on; every segment name carries it
     actors: tuple[ActorSpec, ...]
     edges: tuple[Edge, ...] = ()
+    kept: tuple[str, ...] = ()  # segments (after the prefix) that actors share and that outlive them: unlinked at stop
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.actors]

@@ -6,6 +6,7 @@ repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments,
 every stream with the reference. The last line printed is one JSON object:
 
     requests, completed, mismatched, lost, kills{kind: n}, promoted{kind: kills answered by a warm spare},
+    replays{kind: kills that started a new epoch, where every stream in flight is recomputed},
     recovery_ms_p50, recovery_ms_max, longest_pause_ms{kind: the longest a stream in flight waited across a kill},
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
     leaked_segments, orphans, and with --guided invalid_json (constrained streams that do not open
@@ -136,6 +137,13 @@ class Server:
         finally:
             control.close()
 
+    def epoch(self) -> int:
+        control = ControlBlock.attach(str(self.port))
+        try:
+            return int(control.epoch)
+        finally:
+            control.close()
+
     def restarts(self, kind: str) -> int:
         """Restarts of `kind`'s actors so far (a restart that keeps the epoch counts too)."""
         control = ControlBlock.attach(str(self.port))
@@ -204,10 +212,11 @@ async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[S
 
 async def _chaos_round(
     server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int, sig: signal.Signals, rng: random.Random
-) -> tuple[list[Stream], list[tuple[float, float]], int]:
+) -> tuple[list[Stream], list[tuple[float, float]], int, int]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
-    happened and when the supervisor had noticed it (the actor's restart count moved on), and how many of the kills
-    were answered by promoting a warm spare (a process already running at the kill). Each kill comes after the
+    happened and when the supervisor had noticed it (the actor's restart count moved on), how many of the kills
+    were answered by promoting a warm spare (a process already running at the kill), and how many started a
+    new epoch (a replay that recomputes every stream). Each kill comes after the
     previous one has recovered (the pipeline is healthy and a stream in flight has had a token since
     the restart), at a random point of generation: once the furthest unfinished stream has 5-40% of
     its tokens. A random delay in seconds instead let a fast machine finish the whole load first.
@@ -217,7 +226,7 @@ async def _chaos_round(
     await _spares_set_up(server, kind)
     load = asyncio.create_task(_load(http, bodies, streams))
     kill_times: list[tuple[float, float]] = []
-    promoted = 0
+    promoted = replays = 0
     for _ in range(kills):
         await wait_healthy(http, 120, server.proc)
         await _spares_set_up(server, kind)
@@ -228,7 +237,7 @@ async def _chaos_round(
             await asyncio.sleep(0.002)
         if not any(s.finish is None and len(s.token_ids) < body["max_tokens"] // 2 for s, body in zip(streams, bodies)):
             break
-        before, restarts = server.actors()[kind], server.restarts(kind)
+        before, restarts, epoch = server.actors()[kind], server.restarts(kind), server.epoch()
         pid = rng.choice(before)
         server.remember_processes()
         running = set(server.descendants)
@@ -237,19 +246,27 @@ async def _chaos_round(
         while server.restarts(kind) == restarts:
             await asyncio.sleep(0.005)
         kill_times.append((killed_at, time.monotonic()))
+        replays += server.epoch() != epoch  # the supervisor moves the epoch on before it counts the restart
         while pid in (now := server.actors()[kind]) and time.monotonic() < killed_at + 5:
             await asyncio.sleep(0.005)
         promoted += bool((set(now) - set(before)) & running)  # the replacement was already running: a spare
-    return await load, kill_times, promoted
+    return await load, kill_times, promoted, replays
 
 
-def _longest_pause_ms(streams: list[Stream], killed_at: float) -> float | None:
-    """The longest wait, over the streams streaming at a kill, from their last token before it to the next."""
-    pauses = [
-        next(t for t in s.arrivals if t > killed_at) - max(t for t in s.arrivals if t <= killed_at)
-        for s in streams
-        if s.arrivals and s.arrivals[0] <= killed_at < s.arrivals[-1]
-    ]
+def _longest_pause_ms(streams: list[Stream], killed_at: float, noticed_at: float) -> float | None:
+    """The longest wait, over the streams streaming at a kill, between two of its tokens from its last one
+    before the kill to its first one after the pipeline's recovery (the first token after the restart
+    began, _recovery_ms): tokens already on their way can arrive between the kill and the stall."""
+    recovery = _recovery_ms(streams, killed_at, noticed_at)
+    if recovery is None:
+        return None
+    recovered_at = killed_at + recovery / 1e3
+    pauses = []
+    for s in streams:
+        if s.arrivals and s.arrivals[0] <= killed_at and s.arrivals[-1] >= recovered_at:
+            window = [t for t in s.arrivals if max(t for t in s.arrivals if t <= killed_at) <= t <= recovered_at]
+            window.append(next(t for t in s.arrivals if t >= recovered_at) if window[-1] < recovered_at else window[-1])
+            pauses.append(max((b - a for a, b in zip(window, window[1:])), default=0.0))
     return max(pauses) * 1e3 if pauses else None
 
 
@@ -290,7 +307,8 @@ async def run(args: argparse.Namespace) -> dict:
     ]
     server = Server(args.model, port, Path(tempfile.mkdtemp(prefix="ringllm-chaos-")) / "serve.log", extra)
     rng = random.Random(args.seed)
-    summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "promoted": {}, "recovery_ms": {}}
+    summary: dict = {"requests": 0, "completed": 0, "mismatched": 0, "lost": 0, "kills": {}, "promoted": {}, "replays": {}}
+    summary["recovery_ms"] = {}
     summary["longest_pause_ms"] = {}
     recoveries: list[float] = []
     try:
@@ -313,11 +331,12 @@ async def run(args: argparse.Namespace) -> dict:
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
-                    streams, kill_times, promoted = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
+                    streams, kill_times, promoted, replays = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
                     done += len(kill_times)
                     summary["promoted"][entry] = summary["promoted"].get(entry, 0) + promoted
+                    summary["replays"][entry] = summary["replays"].get(entry, 0) + replays
                     kind_recoveries += [ms for at in kill_times if (ms := _recovery_ms(streams, *at)) is not None]
-                    kind_pauses += [ms for killed_at, _ in kill_times if (ms := _longest_pause_ms(streams, killed_at)) is not None]
+                    kind_pauses += [ms for at in kill_times if (ms := _longest_pause_ms(streams, *at)) is not None]
                     for got, want, body in zip(streams, reference, bodies):
                         summary["requests"] += 1
                         if got.error or got.finish is None:

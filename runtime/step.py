@@ -36,6 +36,8 @@ class StepPlan:
     pages: list[tuple[int, list[int]]] = field(default_factory=list)  # appended to the slot's page table
     chunks: list[Chunk] = field(default_factory=list)
     decodes: list[int] = field(default_factory=list)  # slots fed their own last sampled token
+    # the first plan for an engine: one that starts (or took over a dead one's KV pool) runs plans from here on
+    resync: bool = False
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decodes)
@@ -62,6 +64,7 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "new": [[n.slot, n.params.to_dict(), n.seed, len(n.prompt_ids), len(n.output_ids), n.cached] for n in plan.new_slots],
         "pages": [[slot, len(pages)] for slot, pages in plan.pages],
         "chunks": [[c.slot, len(c.token_ids), c.sample] for c in plan.chunks],
+        "resync": plan.resync,
     }
     history = [t for n in plan.new_slots for t in (*n.prompt_ids, *n.output_ids)]
     pages = [p for _, ps in plan.pages for p in ps]
@@ -71,7 +74,7 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
 
 def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
     history, pages, tokens = (a.tolist() for a in arrays)
-    plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"])
+    plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
     at = 0
     for slot, params, seed, prompt_len, output_len, cached in meta["new"]:
         prompt, output = history[at : at + prompt_len], history[at + prompt_len : at + prompt_len + output_len]

@@ -94,9 +94,11 @@ def test_a_dead_replica_loses_and_changes_no_stream(server):
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
     engine0 = next(r["pid"] for r in rows if r["name"] == "engine0")
     assert asyncio.run(_streams(server, engine0)) == reference
-    events = [orjson.loads(line) for line in server.log.read_bytes().splitlines() if b'"event":"queued"' in line]
-    replays = [e["actor"] for e in events if e["generated"]]  # the dead replica's, and the live one's own
-    assert replays and set(replays) == {"scheduler1"}, replays  # placed on the live replica, not held for the restart
+    events = [orjson.loads(line) for line in server.log.read_bytes().splitlines() if b'"event":"' in line]
+    replays = [e["actor"] for e in events if e["event"] == "queued" and e["generated"]]
+    resyncs = [e["actor"] for e in events if e["event"] == "engine_resync"]
+    # on CPU a replica's KV pool outlives its engine: its own scheduler reopens its requests over it, nothing is replayed
+    assert resyncs == ["scheduler0"] and not replays, (resyncs, replays)
     wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the replica to be back")
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
     assert {r["name"]: r["restarts"] for r in rows if r["kind"] == "engine"} == {"engine0": 1, "engine1": 0}

@@ -5,6 +5,8 @@ reads them) and hands back the product in the model's dtype."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
 
@@ -25,8 +27,11 @@ class KVPool:
         device: torch.device,
         compute_dtype: torch.dtype | None = None,
         scales: list[tuple[float, float]] | None = None,
+        memory: Tensor | None = None,
     ) -> None:
-        """`dtype`: what the pages store; `compute_dtype`: what attention reads (the same unless FP8)."""
+        """`dtype`: what the pages store; `compute_dtype`: what attention reads (the same unless FP8);
+        `memory`: bytes to lay the layers in (KVPool.bytes_per_page x pages, zero when new), e.g. a
+        shared segment that outlives this process, whose pages are taken as they are."""
         self.page_size, self.device, self.dtype = page_size, device, dtype
         self.compute_dtype = compute_dtype or dtype
         self.quantized = self.dtype != self.compute_dtype
@@ -35,8 +40,13 @@ class KVPool:
         self._divisors = torch.tensor(self.scales, dtype=torch.float32, device=device)[:, :, None]
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         shape = (num_pages, 2, page_size, num_kv_heads, head_dim)
-        # zeroed: kernels load whole pages, and a masked slot's NaN garbage times a zero weight is NaN
-        self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        if memory is None:  # zeroed: kernels load whole pages, and a masked slot's NaN garbage times a zero weight is NaN
+            self.kv = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+            return
+        layer_bytes = math.prod(shape) * dtype.itemsize
+        if memory.numel() != num_layers * layer_bytes:
+            raise ValueError(f"a KV pool of {num_pages} pages takes {num_layers * layer_bytes} bytes, not {memory.numel()}")
+        self.kv = [memory[i * layer_bytes : (i + 1) * layer_bytes].view(dtype).view(shape) for i in range(num_layers)]
 
     @staticmethod
     def bytes_per_page(num_layers: int, page_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:

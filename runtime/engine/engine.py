@@ -119,9 +119,17 @@ class HostStep:
 
 
 class Engine:
-    def __init__(self, model_dir: Path, config: EngineConfig, tp: TensorParallel = SINGLE, device: torch.device | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: Path,
+        config: EngineConfig,
+        tp: TensorParallel = SINGLE,
+        device: torch.device | None = None,
+        kv_memory: Callable[[int], torch.Tensor] | None = None,
+    ) -> None:
         """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
-        when None). Every rank runs every step; each holds its shard of the weights and its heads' KV."""
+        when None). Every rank runs every step; each holds its shard of the weights and its heads' KV.
+        `kv_memory`: where the KV pool lives, bytes -> a uint8 tensor (KVPool's `memory`); None: its own."""
         self.config, self.tp = config, tp
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
@@ -136,6 +144,7 @@ class Engine:
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
         scales = kv_scales(model_dir, cfg.num_layers) if config.fp8_kv and not config.dummy_weights else None
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
         self.pool = KVPool(
             cfg.num_layers,
             self.num_pages + 1,
@@ -146,6 +155,7 @@ class Engine:
             self.device,
             self.dtype,
             scales,
+            kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1])
         slots = config.max_running_requests

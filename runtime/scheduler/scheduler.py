@@ -34,6 +34,7 @@ class Request:
     shared_pages: int = 0
     prefix: RadixNode | None = None
     computed: int = 0  # leading tokens whose KV is in `pages` once the planned steps have run
+    confirmed: int = 0  # leading tokens whose KV is in `pages` already: the steps that wrote it have answered
     decoding: bool = False  # the engine holds the last token (it sampled it)
     admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
     pin: bool = False  # a prefix warm-up: its prompt's whole pages stay cached until unpin_prefixes
@@ -63,6 +64,8 @@ class Scheduler:
         self.admitted: list[Request] = []
         self.pins: dict[tuple[int, ...], tuple[RadixNode, int]] = {}  # warmed prefix (whole pages) -> its node, its pages
         self._step = 0
+        self._chunk_ends: dict[int, list[tuple[Request, int]]] = {}  # by step in flight: where each chunk's KV ends
+        self._resync = True  # the next plan is the first its engine runs (StepPlan.resync)
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
         """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's;
@@ -104,8 +107,12 @@ class Scheduler:
     def schedule(self) -> StepPlan:
         """The next step; it needs no results of the previous one, as the engine feeds decodes itself."""
         self._step += 1
-        plan = StepPlan(step=self._step, freed=self._freed)
+        plan = StepPlan(step=self._step, freed=self._freed, resync=self._resync)
         self._freed, self.admitted = [], []
+        if self._resync:  # an engine over the pool a dead one left: the running requests' slots open again
+            for request in self.running:
+                plan.new_slots.append(self._new_slot(request))
+                plan.pages.append((request.slot, list(request.pages)))
         budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
         for request in list(self.running):
             if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
@@ -132,7 +139,21 @@ class Scheduler:
                     self._feed(request, 1, plan)
         if not plan:
             self._freed = plan.freed  # sent with the next real step
+        else:
+            self._resync = False
         return plan
+
+    def reopen(self) -> None:
+        """A new engine has taken over the KV pool of one that died: each running request keeps its slot,
+        its pages and the KV its answered steps wrote, and what was in flight is fed again."""
+        self._chunk_ends.clear()
+        for request in self.running:
+            request.computed, request.decoding = request.confirmed, False
+        self._resync = True
+
+    @staticmethod
+    def _new_slot(request: Request) -> NewSlot:
+        return NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed)
 
     def _fully_planned(self, request: Request) -> bool:
         """Do the steps in flight already draw its last token by length?"""
@@ -146,6 +167,7 @@ class Scheduler:
             start = request.computed
             sample = start + count == len(request.tokens)
             plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count], sample))
+            self._chunk_ends.setdefault(plan.step, []).append((request, start + count))
             request.decoding = sample
         request.computed += count
 
@@ -160,7 +182,7 @@ class Scheduler:
         if not self._reserve(needed):
             self._drop_pages(request)
             return False
-        request.matched = request.computed
+        request.matched = request.confirmed = request.computed
         if request.computed and not request.output_ids:
             request.cached_tokens = request.computed
         self.reused_prefix_tokens += request.computed
@@ -169,9 +191,7 @@ class Scheduler:
         self.admitted.append(request)
         self._by_slot[request.slot] = request
         self.running.append(request)
-        plan.new_slots.append(
-            NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed)
-        )
+        plan.new_slots.append(self._new_slot(request))
         if request.pages:
             plan.pages.append((request.slot, list(request.pages)))
         return True
@@ -229,16 +249,20 @@ class Scheduler:
         self.allocator.free(request.pages[request.shared_pages :])
         if request.prefix is not None:
             self.cache.unlock(request.prefix)
-        request.pages, request.shared_pages, request.prefix, request.computed = [], 0, None, 0
+        request.pages, request.shared_pages, request.prefix, request.computed, request.confirmed = [], 0, None, 0, 0
 
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
         """Record `step`'s tokens; returns the requests that got one."""
+        for request, end in self._chunk_ends.pop(step, ()):
+            if request.slot is not None and request.admitted_step <= step:
+                request.confirmed = max(request.confirmed, end)
         advanced = []
         for result in results:
             request = self._by_slot.get(result.slot)
             if request is None or request.admitted_step > step:
                 continue  # the slot's request finished or was preempted after this step was planned
             request.output_ids.append(result.token)
+            request.confirmed = len(request.tokens) - 1  # every token before the one just drawn has its KV
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
             if request.prompt_logprobs is None:  # a preempted request's recomputed prompt gives them again
