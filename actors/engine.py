@@ -39,7 +39,7 @@ import structlog
 import torch
 
 from actors.base import Actor
-from actors.frames import Ping, Step, StepResults, decode
+from actors.frames import Adopt, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.pipeline import kv_pool_segment, scheduler_names
 from runtime.distributed import TensorParallel, rank_device
@@ -47,6 +47,7 @@ from runtime.engine.batch import StepAbandoned
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
+from runtime.step import HeldKV
 from transport.segment import Segment, server_prefix
 
 log = structlog.get_logger()
@@ -80,6 +81,7 @@ class EngineActor(Actor):
             kv_memory = functools.partial(self._shared_kv, server_prefix(self.ctx.server) + pool)
         self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory)
         self.synced = False  # plans before the scheduler's next resync were meant for an engine before this one
+        self.held: list[HeldKV] = []  # the pool's KV of the epoch before (Engine.reset), until a scheduler adopts it
         if device.type == "cpu":  # launch runs the whole step: beat through it, and cut it short in a new epoch
             self.engine.between_layers = self._beat_and_check_epoch
         log.info("engine_loaded", load_s=round(time.monotonic() - started, 3))
@@ -97,7 +99,9 @@ class EngineActor(Actor):
         return self.epoch_moved_on()
 
     def on_epoch(self, epoch: int) -> None:
-        self.engine.reset()
+        # what the pool holds for the old epoch's requests, until this epoch's scheduler asks; an epoch in which no
+        # step ran leaves the pool as it was, and what it held before
+        self.held = self.engine.reset() or self.held
         self.in_flight.clear()
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0
 
@@ -113,12 +117,16 @@ class EngineActor(Actor):
                 if isinstance(payload, Ping):  # only rank 0 is pinged
                     await self.send(self.scheduler, payload, got[1].rid)
                     continue
+                if isinstance(payload, Adopt):
+                    if self.rank == 0:
+                        await self.send(self.scheduler, Adopt(self.held))
+                    continue
                 assert isinstance(payload, Step)
                 plan = payload.plan
                 if not (self.synced or plan.resync):
                     log.info("step_skipped", step=plan.step)  # its predecessor's: the scheduler plans it again
                     continue
-                self.synced = True
+                self.synced, self.held = True, []  # a step changes the pool: what it held is the slots' now
                 if not self.in_flight:
                     self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
                 launched = time.monotonic()  # before: on CPU, launch does the whole step

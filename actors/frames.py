@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors.kinds import Kind
-from runtime.step import PromptLogprob, Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
+from runtime.step import HeldKV, PromptLogprob, Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
 from transport import codec
 from transport.ring import Frame
 
@@ -254,6 +254,29 @@ class Deltas(Payload):
 
 
 @dataclass(frozen=True)
+class Adopt(Payload):
+    """A new epoch's scheduler asks its engine (empty), and rank 0 answers with what its pool holds of the
+    requests of the epoch before (runtime.engine.Engine.reset): a request replayed into this epoch takes
+    its KV back instead of recomputing it. Wire: [rid, tokens, pages] an entry; arrays: the tokens, the pages."""
+
+    KIND = Kind.ADOPT
+    held: list[HeldKV] = field(default_factory=list)
+
+    def to_wire(self) -> Wire:
+        meta = [[rid, len(tokens), len(pages)] for rid, tokens, pages in self.held]
+        return meta, [[t for _, tokens, _ in self.held for t in tokens], [p for _, _, pages in self.held for p in pages]]
+
+    @classmethod
+    def from_wire(cls, meta: list, arrays: list) -> Adopt:
+        tokens, pages = (a.tolist() for a in arrays)
+        held, at, page_at = [], 0, 0
+        for rid, count, page_count in meta:
+            held.append((rid, tokens[at : at + count], pages[page_at : page_at + page_count]))
+            at, page_at = at + count, page_at + page_count
+        return cls(held)
+
+
+@dataclass(frozen=True)
 class Abort(Payload):
     """Drop a request: its client left, or a stop string ended it in the detokenizer."""
 
@@ -277,7 +300,7 @@ class FlushCache(Payload):
 
 
 PAYLOADS: dict[int, type[Payload]] = {
-    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache)
+    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache, Adopt)
 }
 
 

@@ -14,6 +14,7 @@ class Kind(IntEnum):
     DELTAS = 8  # detokenizer → api worker: text deltas, one frame per step
     PING = 9  # api worker → tokenizer → scheduler → engine → scheduler → detokenizer → api worker
     FLUSH_CACHE = 10  # api worker → tokenizer → scheduler (evicts the prefix cache) → detokenizer → api worker
+    ADOPT = 11  # scheduler → engine at an epoch's start, and back: the KV the engine kept of the epoch before
 
 
 def worker_of(rid: int) -> int:

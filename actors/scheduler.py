@@ -18,7 +18,7 @@ import numpy as np
 import structlog
 
 from actors.base import Actor
-from actors.frames import Abort, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
+from actors.frames import Abort, Adopt, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
 from actors.gauges import EngineGauge, SchedulerGauge
 from actors.pipeline import engine_names, kv_pool_segment
 from runtime.config import ModelConfig
@@ -45,6 +45,7 @@ class Ended:
     at: float = field(default_factory=time.monotonic)
 
 
+ADOPT_GRACE_S = 30.0  # how long adopted KV waits for its request's replay (the api workers replay at once)
 ENGINE_LOOK_S = 0.05  # how often a scheduler waiting on its engine's steps looks whether the engine died
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
 
@@ -148,6 +149,8 @@ class SchedulerActor(Actor):
         self._detokenizer_restarts, self._resync = int(self.control.slots[self._detokenizer_slot]["restarts"]), False
         self._engine_restarts, self._engine_lost = self._restarts(self._engine_slot), False
         self.in_flight: deque[int] = deque()
+        # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)
+        self.adopting = self._ask_adoption = True
         self._publish_gauges()  # a new epoch starts empty
 
     async def run(self) -> None:
@@ -175,10 +178,16 @@ class SchedulerActor(Actor):
             if self._engine_lost:
                 self._engine_lost = False
                 await self._resync_engine()
+            if self._ask_adoption:
+                self._ask_adoption = False
+                await self.send_all(self.engines, Adopt())
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
             epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
-            plan = self.core.schedule() if len(self.in_flight) < self.engine_config.steps_in_flight else None
+            adopted = bool(self.core.adopted)
+            plan = self.core.schedule() if not self.adopting and len(self.in_flight) < self.engine_config.steps_in_flight else None
+            if adopted and not self.core.adopted:  # what no replay claimed has gone back to the pool
+                self._publish_gauges()
             if ended := self.core.take_ended():
                 await self._emit(ended, with_token=False, epoch=epoch)
             if plan:
@@ -200,6 +209,7 @@ class SchedulerActor(Actor):
         log.info("engine_resync", running=len(self.core.running), lost_steps=list(self.in_flight))
         self.in_flight.clear()
         self.core.reopen()
+        self._ask_adoption = self.adopting  # the dead engine may have taken the question with it
 
     async def _handle(self, peer: str, frame: Frame) -> None:
         rid = frame.rid
@@ -207,6 +217,12 @@ class SchedulerActor(Actor):
             case StepResults(step=step, results=results):
                 self.in_flight.remove(step)
                 await self._emit(self.core.update(step, results))
+            case Adopt(held=held) if self.adopting:
+                self.core.adopt(held)
+                self.adopting = False
+                log.info("adopted", requests=len(held), tokens=sum(len(tokens) for _, tokens, _ in held))
+                asyncio.get_running_loop().call_later(ADOPT_GRACE_S, self._release_adopted, self.core)
+
             case Tokenized() as req:
                 if rid in self.timelines or rid in self.ended:  # a copy resubmitted after a tokenizer restart
                     log.info("resubmit_dropped", rid=req.trace)
@@ -241,6 +257,13 @@ class SchedulerActor(Actor):
                     self._ended(rid, None)
             case Refusal() as refusal:
                 await self._refuse(rid, refusal)
+
+    def _release_adopted(self, core: Scheduler) -> None:
+        """What no replay has claimed ADOPT_GRACE_S after the adoption goes back to the pool (unless a new
+        epoch came first)."""
+        if core is self.core and core.adopted:
+            core.release_adopted()
+            self._publish_gauges()
 
     async def _refuse(self, rid: int, refusal: Refusal) -> None:
         """Through the detokenizer to the request's api worker; kept a while, for a resync."""

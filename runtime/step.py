@@ -14,6 +14,7 @@ MAX_PLAN_HISTORY_TOKENS = 1 << 20
 @dataclass(frozen=True)
 class NewSlot:
     slot: int
+    rid: int  # the request's: what the engine names the slot's KV by when a new scheduler adopts it
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
@@ -43,6 +44,8 @@ class StepPlan:
         return bool(self.chunks or self.decodes)
 
 
+# a request's KV that an engine holds across a new epoch: its rid, the tokens whose KV the pool has, their pages
+HeldKV = tuple[int, list[int], list[int]]
 # a prompt token's log-probability given the tokens before it, its rank, and the top (id, log-probability) pairs there
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 
@@ -61,7 +64,7 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "step": plan.step,
         "freed": plan.freed,
         "decodes": plan.decodes,
-        "new": [[n.slot, n.params.to_dict(), n.seed, len(n.prompt_ids), len(n.output_ids), n.cached] for n in plan.new_slots],
+        "new": [[n.slot, n.rid, n.params.to_dict(), n.seed, len(n.prompt_ids), len(n.output_ids), n.cached] for n in plan.new_slots],
         "pages": [[slot, len(pages)] for slot, pages in plan.pages],
         "chunks": [[c.slot, len(c.token_ids), c.sample] for c in plan.chunks],
         "resync": plan.resync,
@@ -76,9 +79,9 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
     history, pages, tokens = (a.tolist() for a in arrays)
     plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
     at = 0
-    for slot, params, seed, prompt_len, output_len, cached in meta["new"]:
+    for slot, rid, params, seed, prompt_len, output_len, cached in meta["new"]:
         prompt, output = history[at : at + prompt_len], history[at + prompt_len : at + prompt_len + output_len]
-        plan.new_slots.append(NewSlot(slot, SamplingParams(**params), seed, prompt, output, cached))
+        plan.new_slots.append(NewSlot(slot, rid, SamplingParams(**params), seed, prompt, output, cached))
         at += prompt_len + output_len
     at = 0
     for slot, count in meta["pages"]:

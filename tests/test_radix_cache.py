@@ -91,3 +91,38 @@ def test_lock_survives_a_split_below_it():
     cache.unlock(node)
     cache.flush()
     assert allocator.num_free == allocator.num_pages
+
+
+@pytest.mark.parametrize("prefix_cache", [True, False], ids=["prefix-cache", "no-cache"])
+def test_a_new_scheduler_adopts_the_kv_an_engine_kept_and_replays_take_it_back(prefix_cache):
+    """Two requests that shared a prompt page, one replayed with a token its engine never fed, one whose
+    replay never comes: the replays start where the pool's KV ends, and nothing is left over."""
+    from runtime.config import EngineConfig
+    from runtime.sampling_params import SamplingParams
+    from runtime.scheduler.scheduler import Scheduler
+
+    config = EngineConfig(page_size=4, enable_prefix_cache=prefix_cache, max_prefill_tokens=64)
+    scheduler = Scheduler(config, num_pages=16, eos_token_ids=(0,), max_position=256)
+    shared = [11, 12, 13, 14]
+    held = [  # the engine's slots as Engine.reset reports them: rid, tokens with KV in the pool, their pages
+        (1, [*shared, 21, 22, 23, 24, 25, 26], [3, 5, 6]),
+        (2, [*shared, 31, 32], [3, 7]) if prefix_cache else (2, [*shared, 31, 32], [4, 7]),
+        (3, [41, 42, 43, 44, 45], [8, 9]),  # its request ended before its replay came
+    ]
+    scheduler.adopt(held)
+    assert scheduler.allocator.num_free == 16 - (6 if prefix_cache else 7)
+    params = SamplingParams(max_tokens=4, temperature=0)
+    scheduler.add(1, [*shared, 21, 22], params, generated=[23, 24, 25, 26, 27])  # 27 was drawn, never fed
+    scheduler.add(2, [*shared, 31], params, generated=[32])
+    plan = scheduler.schedule()
+    opened = {new.slot: new.cached for new in plan.new_slots}
+    chunks = {chunk.slot: chunk.token_ids for chunk in plan.chunks}
+    first, second = (scheduler.running[i] for i in (0, 1))
+    assert opened[first.slot] == 10 and chunks[first.slot] == [27]  # only the token its engine never saw is fed
+    assert opened[second.slot] == 5 and chunks[second.slot] == [32]
+    assert first.pages == [3, 5, 6] and second.pages[:2] == ([3, 7] if prefix_cache else [4, 7])
+    scheduler.release_adopted()  # the third's replay never came: its pages go back
+    for request in list(scheduler.running):
+        scheduler.abort(request.rid)
+    scheduler.flush_cache()
+    assert scheduler.allocator.num_free == 16 and not scheduler.adopted

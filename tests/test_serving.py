@@ -215,7 +215,10 @@ async def _stream_text(server, victim_pid: int | None = None) -> tuple[str, floa
             return "".join(texts), pause
 
 
-def test_engine_killed_mid_stream_the_stream_continues_unchanged(tiny_model, smollm2, tmp_path):
+@pytest.mark.parametrize("victim", ["engine", "scheduler"])
+def test_a_backend_killed_mid_stream_recomputes_nothing_and_the_stream_continues_unchanged(tiny_model, smollm2, tmp_path, victim):
+    """An engine's replacement maps the KV pool it left (on CPU) and the epoch stays; a scheduler's starts a
+    new epoch, whose scheduler adopts the KV the engine kept, and the replayed stream takes it back."""
     from tests.conftest import ringllm
 
     served = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
@@ -223,15 +226,23 @@ def test_engine_killed_mid_stream_the_stream_continues_unchanged(tiny_model, smo
     try:
         reference, _ = asyncio.run(_stream_text(server))
         status = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
-        engine = next(row["pid"] for row in status if row["name"] == "engine")
-        replayed, pause = asyncio.run(_stream_text(server, engine))
+        pid = next(row["pid"] for row in status if row["name"] == victim)
+        replayed, pause = asyncio.run(_stream_text(server, pid))
         assert replayed == reference and pause < 10
-        print(f"engine SIGKILL mid-stream: the stream paused {pause * 1e3:.0f} ms and went on unchanged")
+        print(f"{victim} SIGKILL mid-stream: the stream paused {pause * 1e3:.0f} ms and went on unchanged")
         wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the pipeline to be healthy again")
         rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
-        # the engine restarted over the KV pool it left (on CPU): the epoch stays, and nothing was replayed
-        assert {row["epoch"] for row in rows} == {1} and next(r["restarts"] for r in rows if r["name"] == "engine") == 1
-        assert b'"event":"engine_resync"' in server.log.read_bytes()
+        assert next(r["restarts"] for r in rows if r["name"] == victim) == 1
+        events = [orjson.loads(line) for line in server.log.read_bytes().splitlines() if b'"event":"' in line]
+        if victim == "engine":
+            assert {row["epoch"] for row in rows} == {1} and any(e["event"] == "engine_resync" for e in events)
+        else:  # every actor followed the new epoch; the stream's KV (its prompt and ~20 tokens) was adopted
+            assert {row["epoch"] for row in rows} == {2}
+            adopted = [e for e in events if e["event"] == "adopted" and e["epoch"] == 2]
+            assert len(adopted) == 1 and adopted[0]["requests"] == 1 and adopted[0]["tokens"] >= 20
+            # the replay took it back: of its 3 + 20 tokens, at most the newest is fed again
+            replay = next(e for e in events if e["event"] == "scheduled" and e["epoch"] == 2)
+            assert replay["cached_tokens"] >= 22, replay
     finally:
         assert server.stop() < 5
 

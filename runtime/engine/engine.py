@@ -21,7 +21,7 @@ from runtime.attention import ATTENTION_BACKENDS
 from runtime.attention.pool import KVPool
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
-from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
+from runtime.engine.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
@@ -29,7 +29,7 @@ from runtime.models.cpu_linears import default_dtype
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams
-from runtime.step import Sampled, StepPlan
+from runtime.step import HeldKV, Sampled, StepPlan
 from runtime.structured.masks import GrammarMasks
 
 log = structlog.get_logger()
@@ -54,6 +54,7 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 @dataclass
 class SlotState:
+    rid: int
     params: SamplingParams
     seed: int
     prompt_ids: list[int]
@@ -240,7 +241,7 @@ class Engine:
             self.slots.pop(slot, None)
             self.grammars.close(slot)
         for new in plan.new_slots:
-            self.slots[new.slot] = SlotState(new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
+            self.slots[new.slot] = SlotState(new.rid, new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
             self.lengths[new.slot] = new.cached
             if new.params.guide is not None:
                 self.grammars.open(new.slot, new.params)
@@ -254,11 +255,16 @@ class Engine:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
         self._apply(plan)
         step = self._host_step(plan)
-        # penalties count every earlier token, and a grammar's mask follows from them: both wait for the draws in flight
+        try:
+            logits, sample_slots_on_device = self._forward(plan, step)
+        except StepAbandoned:  # its rows' KV is not all in the pool: the slots end where they were
+            self.lengths[step.seq_slots] -= np.diff(step.qo_indptr)
+            raise
+        # penalties count every earlier token, and a grammar's mask follows from them: both wait for the draws in
+        # flight, which the device has done before this forward, queued already, that the masks' work overlaps
         constrained = self.grammars.constrains(step.sample_slots)
         if constrained or any(row.params.penalized for row in step.rows):
             self._read_all()
-        logits, sample_slots_on_device = self._forward(plan, step)
         if logits is None:  # nothing samples
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
         return self._sample(step, logits, sample_slots_on_device, constrained)
@@ -377,8 +383,17 @@ class Engine:
         while self._unread:
             self._unread.popleft().result()
 
-    def reset(self) -> None:
-        """Forget every slot (a new epoch): the next plans open them afresh."""
+    def reset(self) -> list[HeldKV]:
+        """Forget every slot (a new epoch): the next plans open them afresh. Returns what the pool holds
+        of each slot's request (its rid, the tokens whose KV is written, their pages), for a new
+        scheduler to adopt."""
         self._read_all()
+        ps = self.config.page_size
+        held = [
+            (state.rid, (state.prompt_ids + state.output_ids)[:length], self.page_table[slot, : -(-length // ps)].tolist())
+            for slot, state in self.slots.items()
+            if (length := int(self.lengths[slot]))
+        ]
         self.slots.clear()
         self.grammars.clear()
+        return held

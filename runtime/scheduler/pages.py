@@ -23,6 +23,15 @@ class PageAllocator:
             self._in_use[page] = 1
         return pages
 
+    def take(self, pages: Iterable[int]) -> None:
+        """Mark these free pages used (the KV they hold is adopted, not allocated anew)."""
+        taken = set(pages)
+        if any(self._in_use[page] for page in taken):
+            raise RuntimeError("a page taken is in use")
+        for page in taken:
+            self._in_use[page] = 1
+        self._free = [page for page in self._free if page not in taken]
+
     def free(self, pages: Iterable[int]) -> None:
         for page in pages:
             if not self._in_use[page]:

@@ -11,7 +11,7 @@ from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
-from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, NewSlot, PromptLogprob, Sampled, StepPlan
+from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
 
@@ -66,6 +66,9 @@ class Scheduler:
         self._step = 0
         self._chunk_ends: dict[int, list[tuple[Request, int]]] = {}  # by step in flight: where each chunk's KV ends
         self._resync = True  # the next plan is the first its engine runs (StepPlan.resync)
+        # KV a surviving engine held for requests of the epoch before, by rid, until each is replayed: its tokens,
+        # and the pages the request takes back (with a prefix cache, its whole pages are in the tree: only the tail)
+        self.adopted: dict[int, tuple[list[int], list[int]]] = {}
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
         """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's;
@@ -139,9 +142,48 @@ class Scheduler:
                     self._feed(request, 1, plan)
         if not plan:
             self._freed = plan.freed  # sent with the next real step
+            if self.adopted and not self._resync and not self.has_work():  # the replays have come and gone
+                self.release_adopted()
         else:
-            self._resync = False
+            self._resync = False  # a plan goes out
         return plan
+
+    def adopt(self, held: list[HeldKV]) -> None:
+        """The KV an engine kept across the new epoch that made this scheduler (a scheduler's death): each
+        request, replayed with the same rid, takes its pages back instead of recomputing them. With a prefix
+        cache, every whole page goes into the tree (two requests may share them), and only a partial last
+        page waits for its request."""
+        taken: set[int] = set()
+        for rid, tokens, pages in held:
+            self.allocator.take(page for page in pages if page not in taken)
+            taken.update(pages)
+            if self.cache is None:
+                self.adopted[rid] = (tokens, pages)
+                continue
+            whole = len(tokens) // self.page_size
+            self.cache.insert(tokens[: whole * self.page_size], pages[:whole])
+            if whole < len(pages):
+                self.adopted[rid] = (tokens, pages[whole:])
+
+    def _claim(self, request: Request) -> None:
+        """A replayed request's adopted KV, past what the prefix cache gave it (request.computed): the pages
+        where its tokens run on as the adopted ones do; the rest goes back to the pool."""
+        tokens, pages = self.adopted.pop(request.rid)
+        held = min(len(tokens), len(request.tokens) - 1)  # its last token is always fed
+        start = 0 if self.cache is None else len(tokens) - len(tokens) % self.page_size  # where `pages` begin
+        if request.computed != start or held <= start or tokens[start:held] != request.tokens[start:held]:
+            self.allocator.free(pages)
+            return
+        keep = self.config.pages_for(held) - start // self.page_size
+        request.pages += pages[:keep]
+        self.allocator.free(pages[keep:])
+        request.computed = held
+
+    def release_adopted(self) -> None:
+        """Adopted KV no replay has claimed (its request ended meanwhile, or the pool ran short) goes back to the pool."""
+        for _, pages in self.adopted.values():
+            self.allocator.free(pages)
+        self.adopted.clear()
 
     def reopen(self) -> None:
         """A new engine has taken over the KV pool of one that died: each running request keeps its slot,
@@ -153,7 +195,9 @@ class Scheduler:
 
     @staticmethod
     def _new_slot(request: Request) -> NewSlot:
-        return NewSlot(request.slot, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed)
+        return NewSlot(
+            request.slot, request.rid, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed
+        )
 
     def _fully_planned(self, request: Request) -> bool:
         """Do the steps in flight already draw its last token by length?"""
@@ -178,6 +222,8 @@ class Scheduler:
             self.cache.lock(node)
             request.prefix, request.pages, request.shared_pages = node, list(pages), len(pages)
             request.computed = len(pages) * self.page_size
+        if request.rid in self.adopted:
+            self._claim(request)
         needed = self.config.pages_for(len(request.tokens)) - len(request.pages)
         if not self._reserve(needed):
             self._drop_pages(request)
@@ -197,6 +243,8 @@ class Scheduler:
         return True
 
     def _reserve(self, count: int) -> bool:
+        if count > self.allocator.num_free and self.adopted:
+            self.release_adopted()
         short = count - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
