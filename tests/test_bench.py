@@ -7,6 +7,7 @@ import sys
 
 import orjson
 import psutil
+import pytest
 
 from benchmarks.offline import workload
 from tests.conftest import ROOT, ringllm, wait_for
@@ -72,3 +73,22 @@ def test_offline_workload_is_mini_sglangs_sample():
     prompts, lengths = workload(256)
     assert (len(prompts), sum(lengths), sum(map(len, prompts))) == (256, 148_643, 140_756)
     assert all(100 <= len(p) <= 1024 and max(p) < 10_000 for p in prompts)
+
+
+def test_floors_count_the_weights_each_step_reads():
+    """Qwen3-30B-A3B: 48 sparse layers of 128 experts (3 x 2048 x 768 each) are ~58 GB in bf16; one row
+    reads its top 8 experts a layer, a full batch nearly all; the workload's floor stays under its
+    full-batch figure, as its batch shrinks while requests end."""
+    import argparse
+
+    from benchmarks.floors import Shape, offline_floor
+    from runtime.config import ModelConfig
+
+    cfg = ModelConfig.load(ROOT / "benchmarks" / "models" / "qwen3-30b-a3b")
+    shape = Shape.of(cfg)
+    assert shape.sparse_layers == 48 and shape.expert * shape.experts * shape.sparse_layers * 2 == pytest.approx(57.98e9, rel=1e-3)
+    assert shape.active_experts(1) == pytest.approx(8) and shape.active_experts(1024) == pytest.approx(128, rel=1e-6)
+    rates = argparse.Namespace(bandwidth=4.4, tflops=700, weight_bytes=2.0, kv_bytes=2.0, requests=256)
+    seconds, rate = offline_floor(shape, cfg, rates)
+    one_step = shape.step_s([1100] * 256, rates)  # every expert and 256 x 1,100 tokens of KV
+    assert one_step > 58e9 / 4.4e12 and 256 / one_step > rate > 0
