@@ -75,7 +75,7 @@ class EngineActor(Actor):
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1
-        self.kv_segment: Segment | None = None
+        self.kv_segment: Segment | None = None  # the shared pool's mapping, held as long as the engine uses it
         kv_memory = None
         if (pool := kv_pool_segment(serve, replica)) is not None:  # the pool outlives this engine: map it, or make it
             kv_memory = functools.partial(self._shared_kv, server_prefix(self.ctx.server) + pool)

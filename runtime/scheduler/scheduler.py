@@ -71,7 +71,8 @@ class Scheduler:
         self.adopted: dict[int, tuple[list[int], list[int]]] = {}
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
-        """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's;
+        """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's where
+        no adopted KV holds them (adopt);
         `pin`: a prefix warm-up, whose prompt stays in the prefix cache once it has run."""
         if not prompt_ids:
             raise ValueError("the prompt is empty")
