@@ -322,7 +322,7 @@ def use_fp8_gemms(model: nn.Module, dtype: torch.dtype) -> dict[str, dict[int, s
             by_shape[(module.out_features, module.in_features, module.block)].append(module)
     chosen: dict[str, dict[int, str]] = {}
     for (n, k, _), members in by_shape.items():
-        first = members[0]
+        first, timings = members[0], {}
         for rows in FP8_ROW_BUCKETS:
             x = torch.randn(rows, k, dtype=dtype, device=first.weight.device)
             candidates = _agreeing(_fp8_candidates(first, rows), first, x)
@@ -332,4 +332,6 @@ def use_fp8_gemms(model: nn.Module, dtype: torch.dtype) -> dict[str, dict[int, s
             for linear in members:
                 linear.kernels[rows] = candidates[name]
             chosen.setdefault(f"{n}x{k}", {})[rows] = name
+            timings[rows] = {candidate: round(ms * 1e3, 1) for candidate, ms in sorted(times.items(), key=lambda item: item[1])}
+        log.info("fp8_kernel_times_us", shape=f"{n}x{k}", rows=timings)  # every candidate that agreed, fastest first
     return chosen
