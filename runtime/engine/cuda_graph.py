@@ -201,10 +201,9 @@ class DecodeGraphs:
                 attention.prepare(batch.meta, wrappers[name])  # back to its capture plan, as the padding choice times every size
             self.graphs[bs], self.logits[bs], self.wrappers[bs] = captured[name]
         torch.cuda.synchronize()
-        self.replay_size = self._fastest_padding()
-
-    def _fastest_padding(self) -> dict[int, int]:
-        return padding_choice(best_times(self.graphs))
+        # each size's replay at its capture plan (one-page contexts): a step's part that is not its KV stream
+        self.replay_ms = best_times(self.graphs)
+        self.replay_size = padding_choice(self.replay_ms)
 
     def fits(self, batch_size: int) -> bool:
         return 0 < batch_size <= self.sizes[-1]

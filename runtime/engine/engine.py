@@ -200,6 +200,7 @@ class Engine:
             fp8_kernels=fp8_gemms,
             one_row_fused=one_row_fused,
             decode_attention=self.graphs.attention_kernels if self.graphs else None,
+            decode_graph_us={bs: round(ms * 1e3, 1) for bs, ms in self.graphs.replay_ms.items()} if self.graphs else None,
             prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
             padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None,
         )
