@@ -10,7 +10,9 @@ it up like a preempted request, and the client sees a pause. When the tokenizer 
 epoch (ActorSpec.keeps_epoch), only the requests that have had no answer yet are submitted again:
 the dead tokenizer may have held them, and the scheduler takes a request it already has once. When
 the detokenizer does, each scheduler announces its requests again with all their tokens, and the
-worker keeps, of that whole text and those ids, what its client has not had yet.
+worker keeps, of that whole text and those ids, what its client has not had yet. A worker's own
+death ends its connections only: the epoch stays, the schedulers drop its requests, and its
+successor numbers requests from a fresh block (actors.kinds.first_counter).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from actors.base import Actor
 from actors.control import ActorState
 from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, Ping, Submit, decode
 from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
-from actors.kinds import make_rid
+from actors.kinds import first_counter, make_rid
 from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.errors import ApiError
@@ -76,7 +78,7 @@ class ApiWorker(Actor):
         self.request_timeout = serve.request_timeout
         self.body_timeout = serve.body_timeout
         self.live: dict[int, LiveRequest] = {}
-        self._counter = itertools.count(1)
+        self._counter = itertools.count(first_counter(int(self.slot["restarts"])))
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
         self.slot["gauges"][ApiGauge.LIVE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0

@@ -24,3 +24,14 @@ def worker_of(rid: int) -> int:
 
 def make_rid(worker: int, counter: int) -> int:
     return (worker << 48) | counter
+
+
+def first_counter(restarts: int) -> int:
+    """Where a worker's request counter starts after `restarts` restarts: each start numbers its requests
+    from a fresh block of 2**32, so no id repeats within an epoch (a worker's restart keeps it), and an
+    id below it is a dead start's."""
+    return (restarts << 32) + 1
+
+
+def counter_of(rid: int) -> int:
+    return rid & ((1 << 48) - 1)

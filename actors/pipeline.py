@@ -123,7 +123,8 @@ def pipeline(config: ServeConfig) -> Topology:
         *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(
-            ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE)
+            # its death ends its own connections; the schedulers drop its requests, nobody else replays
+            ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE, keeps_epoch=True)
             for i, name in enumerate(workers)
         ),
     )

@@ -20,7 +20,8 @@ import structlog
 from actors.base import Actor
 from actors.frames import Abort, Adopt, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
 from actors.gauges import EngineGauge, SchedulerGauge
-from actors.pipeline import engine_names, kv_pool_segment
+from actors.kinds import counter_of, first_counter, worker_of
+from actors.pipeline import api_worker_names, engine_names, kv_pool_segment
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.sampling_params import SamplingParams
@@ -134,6 +135,11 @@ class SchedulerActor(Actor):
         self._detokenizer_slot = self.control.index("detokenizer")
         # an engine restart that keeps the epoch (its KV pool outlives it) is resynced over that pool
         self._engine_slot = self.control.index(self.engines[0]) if kv_pool_segment(serve, self.replica) else None
+        # an api worker's restart keeps the epoch: its requests of an earlier start (ids below its floor) are dropped
+        self._api_slots = {worker: self.control.index(name) for worker, name in enumerate(api_worker_names(serve))}
+        self._api_restarts = {worker: self._restarts(index) for worker, index in self._api_slots.items()}
+        self._api_floors = {worker: first_counter(restarts) for worker, restarts in self._api_restarts.items()}
+        self._workers_lost = False
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
@@ -160,6 +166,10 @@ class SchedulerActor(Actor):
         finally:
             reporter.cancel()
 
+    def _orphaned(self, rid: int) -> bool:
+        """A request of an api worker's start that has died (its connection with it)."""
+        return counter_of(rid) < self._api_floors.get(worker_of(rid), 0)
+
     def _restarts(self, index: int | None) -> int:
         return 0 if index is None else int(self.control.slots[index]["restarts"])
 
@@ -169,6 +179,10 @@ class SchedulerActor(Actor):
             self._detokenizer_restarts, self._resync = restarts, True
         if (restarts := self._restarts(self._engine_slot)) != self._engine_restarts:
             self._engine_restarts, self._engine_lost = restarts, True
+        for worker, index in self._api_slots.items():
+            if (restarts := self._restarts(index)) != self._api_restarts[worker]:
+                self._api_restarts[worker], self._api_floors[worker] = restarts, first_counter(restarts)
+                self._workers_lost = True
 
     async def _serve(self) -> None:
         while True:
@@ -181,6 +195,11 @@ class SchedulerActor(Actor):
             if self._ask_adoption:
                 self._ask_adoption = False
                 await self.send_all(self.engines, Adopt())
+            if self._workers_lost:  # their clients are gone with them
+                self._workers_lost = False
+                dead = [r.rid for r in (*self.core.running, *self.core.waiting) if self._orphaned(r.rid)]
+                log.info("orphans_aborted", requests=len(dead))
+                await self._emit([request for rid in dead if (request := self.core.abort(rid)) is not None])
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
             epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
@@ -226,6 +245,9 @@ class SchedulerActor(Actor):
             case Tokenized() as req:
                 if rid in self.timelines or rid in self.ended:  # a copy resubmitted after a tokenizer restart
                     log.info("resubmit_dropped", rid=req.trace)
+                    return
+                if self._orphaned(rid):  # sent by an api worker that has died since
+                    log.info("orphan_dropped", rid=req.trace)
                     return
                 self.slot["gauges"][SchedulerGauge.TAKEN] += 1  # requests taken in, for the router: a restart counts on
                 try:

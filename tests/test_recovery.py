@@ -130,6 +130,7 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     server = two_workers
     bodies = _bodies(32, 200, server.model)
+    replays = server.log.read_bytes().count(b'"event":"replaying"')  # the earlier tests' tokenizer restart made one
 
     async def scenario():
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
@@ -150,6 +151,13 @@ def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "requests to settle")
     info = server.get("/server_info")["scheduler"]
     assert info["used_pages"] == info["cached_pages"]  # nothing of the dead worker's requests holds pages
+    # the epoch stayed: the scheduler dropped the dead worker's requests, and nobody replayed anything
+    rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+    assert {row["epoch"] for row in rows} == {1} and next(r["restarts"] for r in rows if r["name"] == "api1") == 1
+    log = server.log.read_bytes()
+    assert log.count(b'"event":"replaying"') == replays
+    aborted = [orjson.loads(line) for line in log.splitlines() if b'"event":"orphans_aborted"' in line]
+    assert len(aborted) == 1 and aborted[0]["requests"] > 0  # the dead worker's requests, still running at its death
 
 
 def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_path):
