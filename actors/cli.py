@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import orjson
 
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
-from actors.pipeline import ServeConfig, pipeline
+from actors.pipeline import ServeConfig, kv_pool_segment, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
 from api.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
 from runtime.config import ATTENTION_BACKEND_NAMES, DEFAULT_KV_TOKENS, KV_CACHE_DTYPES, SCHEDULE_POLICIES, EngineConfig, device_defaults
 from runtime.obs import trace
 from runtime.obs.logs import LOG_FORMATS
 from runtime.scheduler.router import POLICIES
+from transport.segment import SHM_DIR
 
 API_KEY_ENV = "RINGLLM_API_KEY"  # one more key for --api-key, kept out of the process list
+SHM_RING_ROOM = 256 << 20  # what /dev/shm keeps for the rings, the control block and the metrics beside the KV pools
 
 HELP = {  # the serve flags whose help is too long to sit beside them
     "body-timeout": "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its "
@@ -120,11 +124,29 @@ def serve(args: argparse.Namespace) -> int:
             from runtime.distributed import check_parallel
 
             check_parallel(ModelConfig.load(model_dir), engine, config.data_parallel_size)
+        if kv_pool_segment(config, 0) is not None and (short := _shm_shortfall(config)):
+            print(f"ringllm serve: warning: {short}", file=sys.stderr)
+            config = dataclasses.replace(config, shared_kv_pool=False)
     except (ValueError, OSError) as exc:  # before any process starts (OSError: an unreadable --warm-prefixes)
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
     supervisor = SupervisorConfig(hang_timeout_s=args.hang_timeout, shutdown_timeout_s=args.shutdown_timeout)
     return Supervisor(pipeline(config), supervisor).run()
+
+
+def _shm_shortfall(config: ServeConfig) -> str | None:
+    """Why /dev/shm cannot hold every replica's KV pool beside the rings (a container's default 64 MB
+    cannot), or None when it can."""
+    from runtime.config import ModelConfig
+
+    need = config.data_parallel_size * config.engine.cpu_pool_bytes(ModelConfig.load(Path(config.model_dir))) + SHM_RING_ROOM
+    if (free := shutil.disk_usage(SHM_DIR).free) >= need:
+        return None
+    return (
+        f"{SHM_DIR} has {free >> 20} MB free and the KV pool needs {need >> 20} MB there to outlive its engine; "
+        "each engine keeps its pool to itself, and a restart recomputes its requests (give the container "
+        "more shared memory: --shm-size or --ipc=host)"
+    )
 
 
 async def _chat(base_url: str, temperature: float | None) -> int:

@@ -37,6 +37,9 @@ class ServeConfig:
     tool_call_parser: str = "hermes"  # how the model writes tool calls (api.chat_output)
     reasoning_parser: str | None = None  # how it sets its reasoning apart: qwen3, deepseek_r1, or none
     warm_prefixes: tuple[str | list[int], ...] = ()  # pinned in the prefix cache at start-up (--warm-prefixes FILE)
+    # the KV pool in shared memory, outliving its engine (kv_pool_segment); `ringllm serve` turns it off where
+    # /dev/shm has no room for it
+    shared_kv_pool: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
@@ -78,7 +81,8 @@ def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
     page table, and no request is recomputed. On a GPU the pool dies with its engine, as under
     tensor parallelism, and the restart starts a new epoch."""
     engine = config.engine
-    return f"kv{replica}" if engine.device == "cpu" and engine.tensor_parallel_size == 1 else None
+    shared = config.shared_kv_pool and engine.device == "cpu" and engine.tensor_parallel_size == 1
+    return f"kv{replica}" if shared else None
 
 
 def pipeline(config: ServeConfig) -> Topology:

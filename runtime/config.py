@@ -224,3 +224,10 @@ class EngineConfig:
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
+
+    def cpu_pool_bytes(self, model: ModelConfig) -> int:
+        """At most what a CPU engine's KV pool takes (values of up to 4 bytes; an FP8 pool holds the
+        same bytes as an `auto` one, more tokens), the scratch page included."""
+        token_bytes = 2 * model.num_layers * model.num_kv_heads * model.head_dim * 4
+        tokens = (self.num_pages + 1) * self.page_size if self.num_pages else DEFAULT_KV_TOKENS + self.page_size
+        return tokens * token_bytes

@@ -261,3 +261,23 @@ def test_sigterm_drains_in_flight_requests_then_leaves_nothing(two_workers):
     finally:
         if server.proc.poll() is None:
             server.stop()
+
+
+def test_a_kv_pool_that_dev_shm_cannot_hold_stays_the_engines_own(smollm2):
+    """`ringllm serve` shares the KV pool (so an engine's restart keeps it) only where /dev/shm has room for it
+    beside the rings; a container's small /dev/shm gets a pool of the engine's own and a warning, not a SIGBUS."""
+    import shutil
+
+    from actors.cli import SHM_RING_ROOM, _shm_shortfall
+    from actors.pipeline import ServeConfig, kv_pool_segment
+    from runtime.config import EngineConfig, ModelConfig
+    from transport.segment import SHM_DIR
+
+    fits = ServeConfig(model_dir=str(smollm2), served_model_name="m")
+    pool = fits.engine.cpu_pool_bytes(ModelConfig.load(smollm2))
+    assert 16_384 * 2 * 30 * 3 * 64 * 2 <= pool <= 17_000 * 2 * 30 * 3 * 64 * 4  # SmolLM2: 30 layers, 3 KV heads of 64
+    assert _shm_shortfall(fits) is None and kv_pool_segment(fits, 0) == "kv0"
+    free = shutil.disk_usage(SHM_DIR).free
+    pages = (free - SHM_RING_ROOM) // (16 * 2 * 30 * 3 * 64 * 4) + 1  # a pool just past what is free
+    short = ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=EngineConfig(device="cpu", num_pages=pages))
+    assert "MB free" in _shm_shortfall(short)
