@@ -103,5 +103,5 @@ def results_to_wire(step: int, results: list[Sampled]) -> tuple[dict, list[list[
 
 def results_from_wire(meta: dict, arrays: list) -> list[Sampled]:
     logprobs = {slot: {int(t): lp for t, lp in pairs} for slot, pairs in meta["logprobs"]}
-    prompts = {slot: [(lp, rank, [(t, v) for t, v in top]) for lp, rank, top in rows] for slot, rows in meta["prompt_logprobs"]}
+    prompts = dict(meta["prompt_logprobs"])  # each position as it came off the wire: [log-probability, rank, [[id, value]...]]
     return [Sampled(slot, token, logprobs.get(slot), prompts.get(slot)) for slot, token in zip(arrays[0].tolist(), arrays[1].tolist())]
