@@ -97,6 +97,7 @@ def serve(args: argparse.Namespace) -> int:
             custom_all_reduce=args.custom_all_reduce,
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
+            standby_engine=args.standby_engine,
         )
         model_dir = resolve_model_dir(args.model)
         config = ServeConfig(
@@ -320,6 +321,11 @@ def main(argv: list[str] | None = None) -> int:
         action=argparse.BooleanOptionalAction,
         default=ServeConfig.warm_spares,
         help="keep a set-up tokenizer, scheduler, detokenizer (and CPU engine) asleep to replace one that dies (default: on)",
+    )
+    s.add_argument(
+        "--standby-engine",
+        action="store_true",
+        help="CUDA: a second engine process, set up over the kept KV pool with its own weights, takes over at once when the engine dies",
     )
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])

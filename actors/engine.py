@@ -18,10 +18,11 @@ On CPU, where launch runs the whole step and holds the loop, the engine beats be
 long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
 there: nobody waits for its tokens, and the replay's first step should not wait for it.
 
-Where the KV pool outlives the engine (actors.pipeline.kv_pool_segment: on CPU, one rank), it lives in
-a shared segment that a replacement engine maps as it is, and the restart keeps the epoch: the new
-engine skips the plans its predecessor left in the ring, up to the scheduler's resync plan, which
-opens the running requests' slots over their pages again (runtime.scheduler.Scheduler.reopen).
+Where the KV pool outlives the engine (actors.pipeline.pool_outlives_engine: one rank), the engine's
+keeper holds it (actors.keeper), and a replacement engine maps it as it is: the restart keeps the
+epoch, and the new engine skips the plans its predecessor left in the ring, up to the scheduler's
+resync plan, which opens the running requests' slots over their pages again
+(runtime.scheduler.Scheduler.reopen).
 """
 
 from __future__ import annotations
@@ -41,14 +42,15 @@ import torch
 from actors.base import Actor
 from actors.frames import Adopt, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
-from actors.pipeline import kv_pool_segment, scheduler_names
+from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
+from actors.pipeline import pool_outlives_engine, scheduler_names
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.batch import StepAbandoned
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 from runtime.step import HeldKV
-from transport.segment import Segment, server_prefix
+from transport.segment import Segment
 
 log = structlog.get_logger()
 
@@ -60,6 +62,7 @@ class InFlight(NamedTuple):
     launch_s: float  # host time the launch took
     prefill_tokens: int
     decodes: int
+    host_waits: dict[str, float]  # Engine.host_waits of its launch
 
 
 class EngineActor(Actor):
@@ -75,10 +78,11 @@ class EngineActor(Actor):
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.epochs_from_frames = tp.size > 1
-        self.kv_segment: Segment | None = None  # the shared pool's mapping, held as long as the engine uses it
+        self.kv_segment: Segment | None = None  # on CPU, the kept pool's mapping, held as long as the engine uses it
         kv_memory = None
-        if (pool := kv_pool_segment(serve, replica)) is not None:  # the pool outlives this engine: map it, or make it
-            kv_memory = functools.partial(self._shared_kv, server_prefix(self.ctx.server) + pool)
+        if pool_outlives_engine(serve):  # the keeper holds the pool; on CUDA its context is made before this sizes one
+            wait_for_keeper(address := keeper_address(self.ctx.server, replica))
+            kv_memory = functools.partial(self._kept_kv, address)
         self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory)
         self.synced = False  # plans before the scheduler's next resync were meant for an engine before this one
         self.held: list[HeldKV] = []  # the pool's KV of the epoch before (Engine.reset), until a scheduler adopts it
@@ -90,9 +94,9 @@ class EngineActor(Actor):
         self.m_step_duration = metrics().step_duration.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
 
-    def _shared_kv(self, name: str, size: int) -> torch.Tensor:
-        self.kv_segment = Segment.shared(name, size)
-        return torch.frombuffer(self.kv_segment.buf, dtype=torch.uint8)
+    def _kept_kv(self, address: str, size: int) -> torch.Tensor:
+        self.kv_segment, memory = map_kept_pool(address, size)
+        return memory
 
     def _beat_and_check_epoch(self) -> bool:
         self.beat()
@@ -144,6 +148,7 @@ class EngineActor(Actor):
                         time.monotonic() - launched,
                         sum(len(c.token_ids) for c in plan.chunks),
                         len(plan.decodes),
+                        self.engine.host_waits,
                     )
                 )
                 if len(self.in_flight) < self.engine.config.steps_in_flight and not self.in_flight[0].pending.ready():
@@ -163,6 +168,7 @@ class EngineActor(Actor):
                 decodes=done.decodes,
                 launch_ms=round(done.launch_s * 1e3, 3),
                 duration_ms=round(duration * 1e3, 3),
+                **done.host_waits,
             )
             self.last_done = now
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0

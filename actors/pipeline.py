@@ -1,4 +1,5 @@
-"""The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers.
+"""The serving topology: api workers → tokenizer → scheduler ⇄ engine → detokenizer → api workers,
+and beside each engine its keeper, which holds the KV pool (actors.keeper).
 
 Under tensor parallelism an engine is N rank processes (one group): the scheduler sends each plan
 to every rank, and rank 0 answers. Under data parallelism there are M replicas, each a scheduler
@@ -37,8 +38,8 @@ class ServeConfig:
     tool_call_parser: str = "hermes"  # how the model writes tool calls (api.chat_output)
     reasoning_parser: str | None = None  # how it sets its reasoning apart: qwen3, deepseek_r1, or none
     warm_prefixes: tuple[str | list[int], ...] = ()  # pinned in the prefix cache at start-up (--warm-prefixes FILE)
-    # the KV pool in shared memory, outliving its engine (kv_pool_segment); `ringllm serve` turns it off where
-    # /dev/shm has no room for it
+    # the KV pool held by a keeper actor, outliving its engine (pool_outlives_engine); `ringllm serve` turns it off
+    # on CPU where /dev/shm has no room for it
     shared_kv_pool: bool = True
     engine: EngineConfig = field(default_factory=EngineConfig)
 
@@ -75,20 +76,34 @@ def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
     return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in range(ranks)]
 
 
+def pool_outlives_engine(config: ServeConfig) -> bool:
+    """Whether each replica's KV pool is held by a keeper actor (one rank; a tensor-parallel group's pool dies
+    with it): a replacement engine maps it, the scheduler keeps its page table, and no request is recomputed."""
+    return config.shared_kv_pool and config.engine.tensor_parallel_size == 1
+
+
+def keeper_names(config: ServeConfig) -> list[str]:
+    """One per replica where the pool outlives its engine: keeper, or keeper0..keeperM-1."""
+    if not pool_outlives_engine(config):
+        return []
+    return ["keeper"] if config.data_parallel_size == 1 else [f"keeper{r}" for r in range(config.data_parallel_size)]
+
+
 def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
-    """The shared-memory segment (after the server's prefix) that holds a replica's KV pool, where the
-    pool outlives its engine: on CPU, one rank. A replacement engine maps it, the scheduler keeps its
-    page table, and no request is recomputed. On a GPU the pool dies with its engine, as under
-    tensor parallelism, and the restart starts a new epoch."""
-    engine = config.engine
-    shared = config.shared_kv_pool and engine.device == "cpu" and engine.tensor_parallel_size == 1
-    return f"kv{replica}" if shared else None
+    """The shared-memory segment (after the server's prefix) where a keeper lays a replica's KV pool on CPU;
+    None where the pool is not kept, or is device memory."""
+    return f"kv{replica}" if pool_outlives_engine(config) and config.engine.device == "cpu" else None
+
+
+def keeper_socket(replica: int) -> str:
+    """The Unix socket (after the server's prefix, in SHM_DIR) where a replica's keeper answers its engines."""
+    return f"keeper{replica}.sock"
 
 
 def pipeline(config: ServeConfig) -> Topology:
     options = {"serve": config}
     workers, schedulers = api_worker_names(config), scheduler_names(config)
-    ranks = config.engine.tensor_parallel_size
+    ranks, outlives, keepers = config.engine.tensor_parallel_size, pool_outlives_engine(config), keeper_names(config)
     engines: list[ActorSpec] = []
     edges: list[Edge] = [Edge(name, "tokenizer") for name in workers]
     for replica, scheduler in enumerate(schedulers):
@@ -103,9 +118,11 @@ def pipeline(config: ServeConfig) -> Topology:
                 preload=("torch",),
                 watchdog_s=config.watchdog_timeout,
                 group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
-                # on CPU a second copy of the weights is cheap (the pool is shared); on a GPU it would halve the pool
-                spare=config.warm_spares and ranks == 1 and config.engine.device == "cpu",
-                keeps_epoch=kv_pool_segment(config, replica) is not None,
+                # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request, and
+                # only over a kept pool (it could not hold a second one)
+                spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or outlives and config.engine.standby_engine),
+                keeps_epoch=outlives,
+                needs=keepers[replica] if outlives else None,
             )
             for rank, name in enumerate(names)
         ]
@@ -124,6 +141,7 @@ def pipeline(config: ServeConfig) -> Topology:
             ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}, spare=config.warm_spares)
             for r, name in enumerate(schedulers)
         ),
+        *(ActorSpec(name, "keeper", "actors.keeper:KeeperActor", {**options, "replica": r}) for r, name in enumerate(keepers)),
         *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(
@@ -132,5 +150,5 @@ def pipeline(config: ServeConfig) -> Topology:
             for i, name in enumerate(workers)
         ),
     )
-    kept = tuple(name for r in range(len(schedulers)) if (name := kv_pool_segment(config, r)) is not None)
+    kept = tuple(name for r in range(len(keepers)) for name in (kv_pool_segment(config, r), keeper_socket(r)) if name is not None)
     return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept)

@@ -21,7 +21,7 @@ from actors.base import Actor
 from actors.frames import Abort, Adopt, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
 from actors.gauges import EngineGauge, SchedulerGauge
 from actors.kinds import counter_of, first_counter, worker_of
-from actors.pipeline import api_worker_names, engine_names, kv_pool_segment
+from actors.pipeline import api_worker_names, engine_names, pool_outlives_engine
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.sampling_params import SamplingParams
@@ -134,7 +134,7 @@ class SchedulerActor(Actor):
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
         # an engine restart that keeps the epoch (its KV pool outlives it) is resynced over that pool
-        self._engine_slot = self.control.index(self.engines[0]) if kv_pool_segment(serve, self.replica) else None
+        self._engine_slot = self.control.index(self.engines[0]) if pool_outlives_engine(serve) else None
         # an api worker's restart keeps the epoch: its requests of an earlier start (ids below its floor) are dropped
         self._api_slots = {worker: self.control.index(name) for worker, name in enumerate(api_worker_names(serve))}
         self._api_restarts = {worker: self._restarts(index) for worker, index in self._api_slots.items()}

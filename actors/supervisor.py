@@ -178,13 +178,14 @@ class Supervisor:
     def watch(self) -> None:
         """Until a stop is requested: restart whatever dies or hangs."""
         while not self._stopping:
-            sentinels = {proc.sentinel: index for index, proc in self._procs.items()}
-            spares = {spare.proc.sentinel: index for index, spare in self._spares.items()}
+            sentinels = {proc.sentinel: (index, proc) for index, proc in self._procs.items()}
+            spares = {spare.proc.sentinel: (index, spare) for index, spare in self._spares.items()}
             for fired in wait_any([*sentinels, *spares, self._wake_r], timeout=self.config.check_interval_s):
-                if fired in sentinels:
-                    self._on_exit(sentinels[fired])
-                elif fired in spares:
-                    self._on_spare_exit(spares[fired])
+                # an exit handled already, with another's (ActorSpec.needs), is not handled again
+                if fired in sentinels and self._procs.get(index := sentinels[fired][0]) is sentinels[fired][1]:
+                    self._on_exit(index)
+                elif fired in spares and self._spares.get(index := spares[fired][0]) is spares[fired][1]:
+                    self._on_spare_exit(index)
             self._drain_wakeups()
             if self._stopping or self._drained():
                 break
@@ -312,6 +313,7 @@ class Supervisor:
     def _on_exit(self, index: int) -> None:
         proc = self._procs.pop(index)
         proc.join()
+        self._restart_dependents(index)
         slots, group = self.control.slots, self.topology.actors[index].group
         members = [index] if group is None else self._members(group)
         was_ready = slots[index]["state"] in (ActorState.READY, ActorState.DOWN)  # DOWN: ready when its group went down
@@ -338,6 +340,22 @@ class Supervisor:
         self._group_starts[group] += 1
         for member in members:
             self._restart_at[member] = time.monotonic() + delay
+
+    def _restart_dependents(self, index: int) -> None:
+        """The actors that map what the dead one held (ActorSpec.needs) go with it, spares included, and
+        start again: their restarts are counted before the dead one's new epoch, which replays their work."""
+        name = self._name(index)
+        for dependent, actor in enumerate(self.topology.actors):
+            if actor.needs != name:
+                continue
+            if (spare := self._spares.pop(dependent, None)) is not None:
+                spare.proc.kill()
+                spare.proc.join()
+                spare.proc.close()
+                self._schedule_spare(dependent, self.config.spare_delay_s)
+            if (proc := self._procs.get(dependent)) is not None:
+                proc.kill()
+                self._on_exit(dependent)
 
     def _members(self, group: str) -> list[int]:
         return [i for i, actor in enumerate(self.topology.actors) if actor.group == group]

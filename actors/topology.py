@@ -32,6 +32,9 @@ class ActorSpec:
     # it held (api workers resubmit what the tokenizer may have held; a scheduler resyncs its detokenizer, or its
     # engine over the KV pool the engine left)
     keeps_epoch: bool = False
+    # an actor whose state this one maps (an engine, its keeper's KV pool): that actor's death restarts this one
+    # too, and drops its warm spare, before the new epoch starts
+    needs: str | None = None
 
     def load_class(self) -> type:
         module, _, attr = self.entry.partition(":")
@@ -56,6 +59,9 @@ class Topology:
         names = [a.name for a in self.actors]
         if len(set(names)) != len(names):
             raise ValueError(f"duplicate actor names in {names}")
+        for actor in self.actors:
+            if actor.needs is not None and actor.needs not in names:
+                raise ValueError(f"{actor.name} needs the unknown actor {actor.needs}")
         for edge in self.edges:
             if edge.src not in names or edge.dst not in names:
                 raise ValueError(f"edge {edge.src}->{edge.dst} names an unknown actor")

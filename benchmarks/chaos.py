@@ -45,6 +45,7 @@ from benchmarks.server import ServerExited, free_port, sse_events, start_server,
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
+KINDS = (*BACKEND_KINDS, "keeper")  # a keeper's death takes its KV pool (and its engine) with it: not among the defaults
 MAX_ROUNDS_PER_KILL = 10  # loads tried per kill, should kills keep landing too late in them
 PROMPT_VOCAB = 512  # prompt token ids stay below this, so that tiny test models serve them too
 # --guided: every third stream is held to this schema (and goes on past it, as ignore_eos asks)
@@ -370,8 +371,8 @@ async def run(args: argparse.Namespace) -> dict:
 
 def _kind_entry(entry: str) -> str:
     kind, _, how = entry.partition(":")
-    if kind not in BACKEND_KINDS or how not in ("", "stop", "kill"):
-        raise argparse.ArgumentTypeError(f"{entry!r} is not KIND or KIND:stop|kill with KIND among {', '.join(BACKEND_KINDS)}")
+    if kind not in KINDS or how not in ("", "stop", "kill"):
+        raise argparse.ArgumentTypeError(f"{entry!r} is not KIND or KIND:stop|kill with KIND among {', '.join(KINDS)}")
     return entry
 
 

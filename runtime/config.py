@@ -181,6 +181,9 @@ class EngineConfig:
     custom_all_reduce: bool = False
     kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 (or fp8): float8 pages, a scale per layer
     quantization: str | None = None  # fp8: a bf16/fp32 checkpoint's projections quantized per output channel at load
+    # CUDA: a standby engine (a warm spare over the kept KV pool) runs beside the live one: the pool leaves room for
+    # its own copy of the weights and its graphs
+    standby_engine: bool = False
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""

@@ -409,3 +409,42 @@ def test_the_priority_policy_admits_by_priority_and_preempts_the_lowest_first(ti
         outputs = tight.generate(random_prompts(2, range(30, 31), seed=12), long)
         assert all(len(o.token_ids) == 40 for o in outputs)
     assert victims["fcfs"][0] == 0 and victims["priority"][0] == 5, victims
+
+
+def test_an_engine_over_the_pool_a_dead_one_left_decodes_on_with_the_same_tokens(tiny_model):
+    """Scheduler.reopen: a new Engine over the KV memory of one that died with two steps unanswered gives
+    the tokens of an uninterrupted run, and the decoding requests go on as decodes (their last tokens taken
+    from the reopened slots), not as recomputed chunks, so that on a GPU the redone steps round as the lost
+    ones did."""
+    from runtime.engine.engine import Engine
+    from runtime.scheduler.scheduler import Scheduler
+
+    prompts = random_prompts(4, range(20, 40), seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(tiny_model("llama"), dtype="float32")
+    expected = [o.token_ids for o in llm.generate(prompts, params)]
+    kept: list[torch.Tensor] = []  # the pool's bytes, outliving the engine (as a keeper holds them)
+
+    def memory(size: int) -> torch.Tensor:
+        if not kept:
+            kept.append(torch.zeros(size, dtype=torch.uint8))
+        return kept[0]
+
+    engine = Engine(llm.model_dir, llm.config, kv_memory=memory)
+    cfg = engine.model_config
+    scheduler = Scheduler(llm.config, engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+    requests = [scheduler.add(rid, prompt, params) for rid, prompt in enumerate(prompts)]
+    for _ in range(8):
+        plan = scheduler.schedule()
+        scheduler.update(plan.step, engine.launch(plan).result())
+    for _ in range(2):  # launched, and lost with the engine
+        engine.launch(scheduler.schedule())
+    engine = Engine(llm.model_dir, llm.config, kv_memory=memory)
+    scheduler.reopen()
+    first = scheduler.schedule()
+    assert first.resync and sorted(first.decodes) == sorted(r.slot for r in requests) and not first.chunks
+    scheduler.update(first.step, engine.launch(first).result())
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        scheduler.update(plan.step, engine.launch(plan).result())
+    assert [r.output_ids for r in requests] == expected

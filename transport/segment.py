@@ -43,21 +43,6 @@ class Segment:
             os.close(fd)
 
     @classmethod
-    def shared(cls, name: str, size: int) -> Segment:
-        """Attach where it exists (of this size), else create it zero-filled; never the owner either way:
-        it outlives every process that maps it, and the supervisor unlinks it at stop (Topology.kept)."""
-        try:
-            segment = cls.create(name, size)
-            segment.owner = False
-            return segment
-        except FileExistsError:
-            segment = cls.attach(name)
-        if segment.size != size:
-            segment.close()
-            raise ValueError(f"segment {name} holds {segment.size} bytes, not the {size} asked for")
-        return segment
-
-    @classmethod
     def attach(cls, name: str) -> Segment:
         fd = os.open(SHM_DIR / name, os.O_RDWR)
         try:

@@ -8,6 +8,8 @@ tensor, so step i+1 can be planned and queued while step i still runs.
 
 from __future__ import annotations
 
+import functools
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -33,6 +35,7 @@ from runtime.step import HeldKV, Sampled, StepPlan
 from runtime.structured.masks import GrammarMasks
 
 log = structlog.get_logger()
+STANDBY_HEADROOM_BYTES = 4 << 30  # a standby engine's CUDA context, graphs, workspaces and activations, past its weights
 
 DTYPES = {
     "float32": torch.float32,
@@ -167,6 +170,8 @@ class Engine:
         self.slots: dict[int, SlotState] = {}
         self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids)
         self._unread: deque[PendingStep] = deque()
+        # the last launch's host time spent reading earlier draws back and filling grammar masks (steps that need them)
+        self.host_waits: dict[str, float] = {}
         self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
         fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
         graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
@@ -232,6 +237,8 @@ class Engine:
             return config.pages_for(DEFAULT_KV_TOKENS * self.dtype.itemsize // self.kv_dtype.itemsize)  # the same bytes
         free, total = torch.cuda.mem_get_info(self.device)
         budget = total * config.mem_fraction - (total - free)
+        if config.standby_engine:  # what this process holds now (the weights) again, and room for the standby's graphs
+            budget -= torch.cuda.memory_allocated(self.device) + STANDBY_HEADROOM_BYTES
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
         if budget < 16 * page_bytes:
             raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
@@ -246,6 +253,9 @@ class Engine:
             self.lengths[new.slot] = new.cached
             if new.params.guide is not None:
                 self.grammars.open(new.slot, new.params)
+        if reopened := [(new.slot, new.output_ids[-1]) for new in plan.new_slots if plan.resync and new.output_ids]:
+            slots, tokens = zip(*reopened)  # a reopened slot may decode at once (Scheduler.reopen): its last token
+            self.last_tokens[list(slots)] = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         for slot, pages in plan.pages:
             state = self.slots[slot]
             self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
@@ -264,8 +274,11 @@ class Engine:
         # penalties count every earlier token, and a grammar's mask follows from them: both wait for the draws in
         # flight, which the device has done before this forward, queued already, that the masks' work overlaps
         constrained = self.grammars.constrains(step.sample_slots)
+        self.host_waits = {}
         if constrained or any(row.params.penalized for row in step.rows):
+            started = time.perf_counter()
             self._read_all()
+            self.host_waits["read_ms"] = round((time.perf_counter() - started) * 1e3, 3)
         if logits is None:  # nothing samples
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
         return self._sample(step, logits, sample_slots_on_device, constrained)
@@ -349,11 +362,16 @@ class Engine:
         constrain = None
         if constrained:
             slots, outputs = step.sample_slots.tolist(), [state.output_ids for state in step.states]
-            constrain = lambda rows: self.grammars.apply(rows, slots, outputs)  # noqa: E731
+            constrain = functools.partial(self._masked, slots=slots, outputs=outputs)
         drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain)
         for state in step.states:
             state.sampled += 1
         return self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
+
+    def _masked(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
+        started = time.perf_counter()
+        self.grammars.apply(logits, slots, outputs)
+        self.host_waits["mask_ms"] = round((time.perf_counter() - started) * 1e3, 3)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -188,10 +188,13 @@ class Scheduler:
 
     def reopen(self) -> None:
         """A new engine has taken over the KV pool of one that died: each running request keeps its slot,
-        its pages and the KV its answered steps wrote, and what was in flight is fed again."""
+        its pages and the KV its answered steps wrote, and what was in flight is fed again: a request that was
+        decoding decodes on (the engine takes its last token from the reopened slot), so that its redone
+        steps run the kernels, and round as, its lost ones did."""
         self._chunk_ends.clear()
         for request in self.running:
-            request.computed, request.decoding = request.confirmed, False
+            request.computed = request.confirmed
+            request.decoding = bool(request.output_ids) and request.confirmed == len(request.tokens) - 1
         self._resync = True
 
     @staticmethod

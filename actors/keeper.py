@@ -1,0 +1,128 @@
+"""The keeper: holds a replica's KV pool, so that the pool outlives the engine that writes it.
+
+It runs no model code. An engine asks it over a Unix socket (SHM_DIR/{prefix}keeper{replica}.sock,
+this user's only) for the pool's bytes. On CPU the keeper lays the pool in a shared segment it
+creates zero-filled; on CUDA it allocates zeroed device memory and hands out a CUDA IPC handle
+(torch.multiprocessing's reductions). The same size asked again gets the same memory, pages and all:
+a replacement engine, or a warm spare, maps the pool the dead engine wrote. A keeper's death takes
+the pool with it: the supervisor restarts its engine too (ActorSpec.needs), and the new epoch
+recomputes every request, as if there were no keeper.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from multiprocessing.connection import Client, Listener
+
+import structlog
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from actors.base import Actor
+from actors.pipeline import keeper_socket, kv_pool_segment
+from runtime.distributed import rank_device
+from transport.segment import SHM_DIR, Segment, server_prefix, unlink_segment
+
+log = structlog.get_logger()
+CONNECT_WAIT_S = 60.0  # how long an engine waits for its keeper to listen (a keeper restarting with it)
+
+
+def keeper_address(server: str, replica: int) -> str:
+    return str(SHM_DIR / (server_prefix(server) + keeper_socket(replica)))
+
+
+class KeeperActor(Actor):
+    async def setup(self) -> None:
+        serve, replica = self.options["serve"], self.options["replica"]
+        self.device = rank_device(serve.engine.device, replica)
+        if self.device.type == "cuda":  # the context now: the engine sizes its pool from what is free after it
+            torch.cuda.set_device(self.device)
+            torch.cuda.init()
+            torch.empty(1, device=self.device)
+        self.pool: torch.Tensor | None = None  # CUDA
+        self.segment: Segment | None = None  # CPU
+        segment = kv_pool_segment(serve, replica)
+        self.segment_name = None if segment is None else server_prefix(self.ctx.server) + segment
+        if self.segment_name is not None:
+            unlink_segment(self.segment_name)  # a dead keeper's pool: its engines died with it
+        address = keeper_address(self.ctx.server, replica)
+        if os.path.exists(address):  # a dead keeper's socket
+            os.unlink(address)
+        umask = os.umask(0o077)  # the socket is this user's, as the segments are
+        try:
+            self.listener = Listener(address, "AF_UNIX")
+        finally:
+            os.umask(umask)
+        threading.Thread(target=self._answer, name="keeper", daemon=True).start()
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()  # the thread answers; the loop only beats, until a stop
+
+    async def teardown(self) -> None:
+        self.listener.close()
+
+    def _answer(self) -> None:
+        """One question per connection: a pool size in bytes; the answer says where the pool is."""
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:  # closed at stop
+                return
+            with conn:
+                try:
+                    size = conn.recv()
+                except EOFError:  # an engine that only waited for this keeper to listen
+                    continue
+                conn.send(self._pool(size))
+
+    def _pool(self, size: int) -> tuple:
+        """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA; made anew where the size differs (the
+        engine that asked first died before its pool's size reached the scheduler, which sizes its pages from it)."""
+        if self.segment_name is not None:
+            if self.segment is None or self.segment.size != size:
+                if self.segment is not None:
+                    self.segment.close()
+                    unlink_segment(self.segment_name)
+                self.segment = Segment.create(self.segment_name, size)
+                self.segment.owner = False  # the supervisor unlinks it at stop (Topology.kept)
+                log.info("kv_pool_made", bytes=size, segment=self.segment_name)
+            return ("shm", self.segment_name)
+        if self.pool is None or self.pool.numel() != size:
+            self.pool = None
+            torch.cuda.empty_cache()
+            self.pool = torch.zeros(size, dtype=torch.uint8, device=self.device)
+            torch.cuda.synchronize(self.device)
+            log.info("kv_pool_made", bytes=size, device=str(self.device))
+        return ("cuda", *reduce_tensor(self.pool))
+
+
+def wait_for_keeper(address: str) -> None:
+    """Until the keeper listens (it may be starting beside this engine)."""
+    deadline = time.monotonic() + CONNECT_WAIT_S
+    while True:
+        try:
+            Client(address, "AF_UNIX").close()
+            return
+        except (FileNotFoundError, ConnectionRefusedError):
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.02)
+
+
+def map_kept_pool(address: str, size: int) -> tuple[Segment | None, torch.Tensor]:
+    """The keeper's pool of `size` bytes as a uint8 tensor, and on CPU the segment that must stay mapped under it."""
+    wait_for_keeper(address)
+    with Client(address, "AF_UNIX") as conn:
+        conn.send(size)
+        where, *handle = conn.recv()
+    if where == "cuda":
+        rebuild, args = handle
+        return None, rebuild(*args)
+    segment = Segment.attach(handle[0])
+    if segment.size != size:
+        segment.close()
+        raise ValueError(f"the keeper's pool holds {segment.size} bytes, not the {size} asked for")
+    return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)
