@@ -5,12 +5,14 @@ sampling) and records every stream's text and token ids. Then, for each chosen a
 repeats the load while SIGKILLing (or SIGSTOPping) that actor at random moments, and compares
 every stream with the reference. The last line printed is one JSON object:
 
-    requests, completed, mismatched, lost, kills{kind: n}, promoted{kind: kills answered by a warm spare},
+    requests, completed, mismatched, mismatched_by_kind{kind: n}, lost, kills{kind: n},
+    promoted{kind: kills answered by a warm spare},
     replays{kind: kills that started a new epoch, where every stream in flight is recomputed},
     recovery_ms_p50, recovery_ms_max, longest_pause_ms{kind: the longest a stream in flight waited across a kill},
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
-    leaked_segments, orphans, and with --guided invalid_json (constrained streams that do not open
-    with an object of GUIDE_SCHEMA)
+    leaked_segments, orphans, with --guided invalid_json (constrained streams that do not open
+    with an object of GUIDE_SCHEMA), and with --control control_mismatched (the streams a second
+    fault-free load changes: on a GPU in bf16 batches form by arrival time and round by their size)
 
 recovery_ms runs from a kill to the next token of a stream that was in flight at the kill.
 
@@ -323,6 +325,9 @@ async def run(args: argparse.Namespace) -> dict:
             reference = await _load(http, bodies)
             if failed := [s.error for s in reference if s.error or s.finish is None]:
                 raise RuntimeError(f"the fault-free load failed: {failed[:3]}")
+            if args.control:  # what a fault-free load changes by itself (where batches round by their size: bf16 on a GPU)
+                summary["control_mismatched"] = sum(_changed(got, want) for got, want in zip(await _load(http, bodies), reference))
+            summary["mismatched_by_kind"] = {}
             if args.guided:
                 summary["invalid_json"] = 0
             for entry in args.kinds:  # KIND, or KIND:stop / KIND:kill to override --signal for it
@@ -342,8 +347,9 @@ async def run(args: argparse.Namespace) -> dict:
                         summary["requests"] += 1
                         if got.error or got.finish is None:
                             summary["lost"] += 1
-                        elif (got.text, got.token_ids, got.finish) != (want.text, want.token_ids, want.finish):
+                        elif _changed(got, want):
                             summary["mismatched"] += 1
+                            summary["mismatched_by_kind"][entry] = summary["mismatched_by_kind"].get(entry, 0) + 1
                         else:
                             summary["completed"] += 1
                         if "response_format" in body and not _opens_with_a_guided_object(got.text):
@@ -367,6 +373,10 @@ async def run(args: argparse.Namespace) -> dict:
     summary["recovery_ms_p50"] = round(statistics.median(recoveries)) if recoveries else None
     summary["recovery_ms_max"] = round(max(recoveries)) if recoveries else None
     return summary
+
+
+def _changed(got: Stream, want: Stream) -> bool:
+    return (got.text, got.token_ids, got.finish) != (want.text, want.token_ids, want.finish)
 
 
 def _kind_entry(entry: str) -> str:
@@ -394,6 +404,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--api-workers", type=int, default=2)
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--control", action="store_true", help="one more fault-free load first: control_mismatched, its changed streams")
     parser.add_argument("--guided", action="store_true", help="hold every third stream to a JSON schema (structured output)")
     parser.add_argument("--out", type=Path, help="also append the summary, with the command, to this JSON file")
     parser.add_argument("serve_args", nargs="*", help="more `ringllm serve` flags, after --")

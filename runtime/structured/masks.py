@@ -82,7 +82,12 @@ class GrammarMasks:
             rows = [i for i, _ in live]
             self._batch.batch_fill_next_token_bitmask([state.matcher for _, state in live], self._bitmask, rows)
             bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+            # the rows as a tensor from pinned memory: xgrammar copies a list from pageable memory, a copy that waits for
+            # the device's queue (the forward this mask was filled beside) before the draw can be queued
+            indices = rows
+            if logits.is_cuda:
+                indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
+            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
 
     def _feed(self, slot: int, output: list[int]) -> _Slot | None:
         """The slot's matcher after its new tokens; None if the slot is not constrained, or no longer:
