@@ -226,6 +226,7 @@ class Engine:
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
         self.model.take_expert_load()  # routing counts start with the first request
         if self.device.type == "cuda":  # a kernel's fault surfaces here, and the draws' pinned buffers are done with
+            self.grammars.warm_up(self.device)
             torch.cuda.synchronize(self.device)
 
     def _pool_pages(self) -> int:

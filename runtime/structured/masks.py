@@ -2,7 +2,8 @@
 tokens as they are read back, and the batched mask of what each one allows next, applied to the
 logits before the draw. A slot opened again (a preemption, a new epoch) replays its tokens into a
 fresh matcher, so a constrained request survives both. Steps without a constrained slot never
-reach this module; xgrammar and the tokenizer load on the first constrained slot.
+reach this module. On CPU xgrammar and the tokenizer load on the first constrained slot; on CUDA
+at start-up (warm_up), as there they would hold every running request for seconds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import numpy as np
 import structlog
 import torch
 
+from runtime.models.source import load_tokenizer
 from runtime.sampling_params import SamplingParams
 from runtime.structured.grammars import build_grammar
 
@@ -37,18 +39,28 @@ class GrammarMasks:
         self._slots: dict[int, _Slot] = {}
         self._bitmask: torch.Tensor | None = None
 
+    def _load_compiler(self, tokenizer: Any) -> None:
+        import xgrammar as xgr
+
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=CACHE_BYTES)
+
     def _compile(self, guide: tuple[str, str]) -> Any:
         """The guide's grammar compiled against the vocabulary; the tokenizer actor built (and so
         bounded) the same grammar before the request was scheduled, and both builds are cached."""
         import xgrammar as xgr
 
         if self._compiler is None:
-            from runtime.models.source import load_tokenizer
-
-            tokenizer = load_tokenizer(self.model_dir, required=True)
-            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size, stop_token_ids=list(self.eos_token_ids))
-            self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=CACHE_BYTES)
+            self._load_compiler(load_tokenizer(self.model_dir, required=True))
         return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(build_grammar(*guide)))
+
+    def warm_up(self, device: torch.device) -> None:
+        """What a first constrained slot would build between steps: the vocabulary's grammar compiler
+        (seconds for a large vocabulary) and the mask kernel (Triton's, built at its first run)."""
+        if (tokenizer := load_tokenizer(self.model_dir)) is None:  # token ids only: nothing can be constrained
+            return
+        self._load_compiler(tokenizer)
+        self._apply_masks(torch.zeros(1, self.vocab_size, device=device), self._bitmask_rows(1, device), [0])
 
     def open(self, slot: int, params: SamplingParams) -> None:
         """A slot whose draws the grammar constrains; its tokens so far are fed at the next mask."""
@@ -72,22 +84,32 @@ class GrammarMasks:
         token the slot has drawn, read back)."""
         import xgrammar as xgr
 
-        if self._bitmask is None or self._bitmask.shape[0] < len(slots):
-            bitmask = xgr.allocate_token_bitmask(max(len(slots), 64), self.vocab_size)
-            # pinned on CUDA, so the copy is asynchronous: the next fill waits for this step's draws anyway
-            self._bitmask = bitmask.pin_memory() if logits.is_cuda else bitmask
-            self._batch = self._batch or xgr.BatchGrammarMatcher()
         live = [(i, state) for i, (slot, output) in enumerate(zip(slots, outputs)) if (state := self._feed(slot, output)) is not None]
         if live:
             rows = [i for i, _ in live]
-            self._batch.batch_fill_next_token_bitmask([state.matcher for _, state in live], self._bitmask, rows)
-            bitmask = self._bitmask[: len(slots)].to(logits.device, non_blocking=True)
-            # the rows as a tensor from pinned memory: xgrammar copies a list from pageable memory, a copy that waits for
-            # the device's queue (the forward this mask was filled beside) before the draw can be queued
-            indices = rows
-            if logits.is_cuda:
-                indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
-            xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+            bitmask = self._bitmask_rows(len(slots), logits.device)
+            self._batch = self._batch or xgr.BatchGrammarMatcher()
+            self._batch.batch_fill_next_token_bitmask([state.matcher for _, state in live], bitmask, rows)
+            self._apply_masks(logits, bitmask, rows)
+
+    def _bitmask_rows(self, rows: int, device: torch.device) -> torch.Tensor:
+        """The host bitmask's first `rows` rows, grown as needed; pinned on CUDA, so its copy is asynchronous
+        (the next fill waits for this step's draws anyway)."""
+        import xgrammar as xgr
+
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            bitmask = xgr.allocate_token_bitmask(max(rows, 64), self.vocab_size)
+            self._bitmask = bitmask.pin_memory() if device.type == "cuda" else bitmask
+        return self._bitmask[:rows]
+
+    def _apply_masks(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        import xgrammar as xgr
+
+        indices: list[int] | torch.Tensor = rows
+        if logits.is_cuda:  # from pinned memory: xgrammar's copy of a list is pageable, and waits for the device's queue
+            indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
 
     def _feed(self, slot: int, output: list[int]) -> _Slot | None:
         """The slot's matcher after its new tokens; None if the slot is not constrained, or no longer:
