@@ -4,7 +4,8 @@ It runs no model code. An engine asks it over a Unix socket (SHM_DIR/{prefix}kee
 this user's only) for the pool's bytes. On CPU the keeper lays the pool in a shared segment it
 creates zero-filled; on CUDA it allocates zeroed device memory and hands out a CUDA IPC handle
 (torch.multiprocessing's reductions). The same size asked again gets the same memory, pages and all:
-a replacement engine, or a warm spare, maps the pool the dead engine wrote. A keeper's death takes
+a replacement engine, or a warm spare, maps the pool the dead engine wrote (every engine after the
+first sizes it from the scheduler's page count, so asks for the same bytes). A keeper's death takes
 the pool with it: the supervisor restarts its engine too (ActorSpec.needs), and the new epoch
 recomputes every request, as if there were no keeper.
 """
@@ -61,38 +62,30 @@ class KeeperActor(Actor):
     async def run(self) -> None:
         await asyncio.Event().wait()  # the thread answers; the loop only beats, until a stop
 
-    async def teardown(self) -> None:
-        self.listener.close()
-
     def _answer(self) -> None:
-        """One question per connection: a pool size in bytes; the answer says where the pool is."""
+        """One question per connection: a pool size in bytes; the answer says where the pool is. The
+        thread ends with the process."""
         while True:
-            try:
-                conn = self.listener.accept()
-            except OSError:  # closed at stop
-                return
-            with conn:
+            with self.listener.accept() as conn:
                 try:
                     size = conn.recv()
                 except EOFError:  # an engine that only waited for this keeper to listen
                     continue
                 conn.send(self._pool(size))
 
-    def _pool(self, size: int) -> tuple:
-        """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA; made anew where the size differs (the
-        engine that asked first died before its pool's size reached the scheduler, which sizes its pages from it)."""
+    def _pool(self, size: int) -> tuple[str, ...]:
+        """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA, ("error", why) for another size than
+        the pool's: made by the first question, then the same bytes for every engine."""
+        held = self.segment.size if self.segment is not None else self.pool.numel() if self.pool is not None else None
+        if held is not None and held != size:
+            return ("error", f"the keeper holds a KV pool of {held} bytes, not the {size} asked for")
         if self.segment_name is not None:
-            if self.segment is None or self.segment.size != size:
-                if self.segment is not None:
-                    self.segment.close()
-                    unlink_segment(self.segment_name)
+            if self.segment is None:
                 self.segment = Segment.create(self.segment_name, size)
                 self.segment.owner = False  # the supervisor unlinks it at stop (Topology.kept)
                 log.info("kv_pool_made", bytes=size, segment=self.segment_name)
             return ("shm", self.segment_name)
-        if self.pool is None or self.pool.numel() != size:
-            self.pool = None
-            torch.cuda.empty_cache()
+        if self.pool is None:
             self.pool = torch.zeros(size, dtype=torch.uint8, device=self.device)
             torch.cuda.synchronize(self.device)
             log.info("kv_pool_made", bytes=size, device=str(self.device))
@@ -114,15 +107,13 @@ def wait_for_keeper(address: str) -> None:
 
 def map_kept_pool(address: str, size: int) -> tuple[Segment | None, torch.Tensor]:
     """The keeper's pool of `size` bytes as a uint8 tensor, and on CPU the segment that must stay mapped under it."""
-    wait_for_keeper(address)
     with Client(address, "AF_UNIX") as conn:
         conn.send(size)
-        where, *handle = conn.recv()
+        where, *answer = conn.recv()
+    if where == "error":
+        raise ValueError(answer[0])
     if where == "cuda":
-        rebuild, args = handle
+        rebuild, args = answer
         return None, rebuild(*args)
-    segment = Segment.attach(handle[0])
-    if segment.size != size:
-        segment.close()
-        raise ValueError(f"the keeper's pool holds {segment.size} bytes, not the {size} asked for")
+    segment = Segment.attach(answer[0])
     return segment, torch.frombuffer(segment.buf, dtype=torch.uint8)

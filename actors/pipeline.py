@@ -54,6 +54,8 @@ class ServeConfig:
             raise ValueError(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, not {self.tool_call_parser!r}")
         if not all(p and (isinstance(p, str) or isinstance(p, list) and all(type(t) is int for t in p)) for p in self.warm_prefixes):
             raise ValueError("warm_prefixes must be a list of non-empty texts or token-id lists")
+        if self.engine.standby_engine and not (self.warm_spares and pool_outlives_engine(self) and self.engine.device != "cpu"):
+            raise ValueError("standby_engine needs a GPU, one rank, warm spares and a kept KV pool (a CPU engine has a spare anyway)")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
 

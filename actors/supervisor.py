@@ -206,22 +206,25 @@ class Supervisor:
         self._stopping = True
         if self.control is None:  # nothing was created (another server owns the port)
             return
-        for index in self._procs:
-            self.control.slots[index]["stop"] = 1
-            self._doorbells[index].ring()
         for spare in self._spares.values():  # set up, never promoted: nothing of theirs to finish
             spare.proc.kill()
             spare.proc.join()
             spare.proc.close()
         self._spares.clear()
         deadline = time.monotonic() + self.config.stop_timeout_s
-        for index, proc in self._procs.items():
-            proc.join(max(0.0, deadline - time.monotonic()))
-            if proc.is_alive():
-                log.warning("actor_killed_at_stop", child=self._name(index), pid=proc.pid)
-                proc.kill()
-                proc.join()
-            proc.close()
+        needed = {actor.needs for actor in self.topology.actors}
+        for last in (False, True):  # what others map (a keeper's pool) stops after them
+            stopping = {i: proc for i, proc in self._procs.items() if (self._name(i) in needed) == last}
+            for index in stopping:
+                self.control.slots[index]["stop"] = 1
+                self._doorbells[index].ring()
+            for index, proc in stopping.items():
+                proc.join(max(0.0, deadline - time.monotonic()))
+                if proc.is_alive():
+                    log.warning("actor_killed_at_stop", child=self._name(index), pid=proc.pid)
+                    proc.kill()
+                    proc.join()
+                proc.close()
         self._procs.clear()
         for ring in self._rings.values():
             ring.close()

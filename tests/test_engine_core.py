@@ -411,40 +411,102 @@ def test_the_priority_policy_admits_by_priority_and_preempts_the_lowest_first(ti
     assert victims["fcfs"][0] == 0 and victims["priority"][0] == 5, victims
 
 
+class KeptPool:
+    """A KV pool's bytes that outlive the engines mapping them, as a keeper actor holds them, and those
+    engines: `revive` is a dead engine's replacement over the same bytes."""
+
+    def __init__(self, llm: LLM) -> None:
+        from runtime.scheduler.scheduler import Scheduler
+
+        self.llm, self.memory = llm, None
+        self.engine = self.revive()
+        cfg = self.engine.model_config
+        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+
+    def _bytes(self, size: int) -> torch.Tensor:
+        if self.memory is None:
+            self.memory = torch.zeros(size, dtype=torch.uint8)
+        return self.memory
+
+    def revive(self):
+        from runtime.engine.engine import Engine
+
+        self.engine = Engine(self.llm.model_dir, self.llm.config, kv_memory=self._bytes)
+        return self.engine
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.scheduler.update(plan.step, self.engine.launch(plan).result())
+
+    def run(self) -> None:
+        while self.scheduler.has_work():
+            self.step()
+
+
 def test_an_engine_over_the_pool_a_dead_one_left_decodes_on_with_the_same_tokens(tiny_model):
     """Scheduler.reopen: a new Engine over the KV memory of one that died with two steps unanswered gives
     the tokens of an uninterrupted run, and the decoding requests go on as decodes (their last tokens taken
     from the reopened slots), not as recomputed chunks, so that on a GPU the redone steps round as the lost
     ones did."""
-    from runtime.engine.engine import Engine
-    from runtime.scheduler.scheduler import Scheduler
-
     prompts = random_prompts(4, range(20, 40), seed=5)
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
     llm = LLM(tiny_model("llama"), dtype="float32")
-    expected = [o.token_ids for o in llm.generate(prompts, params)]
-    kept: list[torch.Tensor] = []  # the pool's bytes, outliving the engine (as a keeper holds them)
-
-    def memory(size: int) -> torch.Tensor:
-        if not kept:
-            kept.append(torch.zeros(size, dtype=torch.uint8))
-        return kept[0]
-
-    engine = Engine(llm.model_dir, llm.config, kv_memory=memory)
-    cfg = engine.model_config
-    scheduler = Scheduler(llm.config, engine.num_pages, cfg.eos_token_ids, cfg.max_position)
-    requests = [scheduler.add(rid, prompt, params) for rid, prompt in enumerate(prompts)]
+    expected = [o.token_ids for o in llm.generate(prompts, GREEDY)]
+    kept = KeptPool(llm)
+    requests = [kept.scheduler.add(rid, prompt, GREEDY) for rid, prompt in enumerate(prompts)]
     for _ in range(8):
-        plan = scheduler.schedule()
-        scheduler.update(plan.step, engine.launch(plan).result())
+        kept.step()
     for _ in range(2):  # launched, and lost with the engine
-        engine.launch(scheduler.schedule())
-    engine = Engine(llm.model_dir, llm.config, kv_memory=memory)
-    scheduler.reopen()
-    first = scheduler.schedule()
+        kept.engine.launch(kept.scheduler.schedule())
+    kept.revive()
+    kept.scheduler.reopen()
+    first = kept.scheduler.schedule()
     assert first.resync and sorted(first.decodes) == sorted(r.slot for r in requests) and not first.chunks
-    scheduler.update(first.step, engine.launch(first).result())
-    while scheduler.has_work():
-        plan = scheduler.schedule()
-        scheduler.update(plan.step, engine.launch(plan).result())
+    kept.scheduler.update(first.step, kept.engine.launch(first).result())
+    kept.run()
     assert [r.output_ids for r in requests] == expected
+
+
+def test_the_prefix_cache_keeps_no_page_that_a_step_lost_with_its_engine_would_have_written(tiny_model):
+    """A request that ends (a stop token) while the step feeding that token is still in flight gives the
+    prefix cache only the KV of answered steps: the engine may die before the step runs, and a later
+    request sharing the prefix must not read what it never wrote."""
+    prompt = list(range(5, 25))
+    llm = LLM(tiny_model("llama"), dtype="float32")
+    answer = llm.generate([prompt], GREEDY)[0].token_ids
+    stop = next(k for k in range(11, len(answer)) if answer[k] not in answer[:k])  # prompt + answer[:stop + 1]: 2 pages
+    follow_up = prompt + answer[: stop + 1] + [7, 8, 9]
+    expected = llm.generate([follow_up], GREEDY)[0].token_ids
+    kept = KeptPool(llm)
+    kept.memory.random_(0, 256)  # what a dead epoch left: the pages a lost step should have written keep it
+    request = kept.scheduler.add(0, prompt, SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, stop_token_ids=[answer[stop]]))
+    plan = kept.scheduler.schedule()
+    pending = kept.engine.launch(plan)
+    while True:
+        ahead = kept.scheduler.schedule()  # planned before `plan`'s results, as with steps in flight
+        kept.scheduler.update(plan.step, pending.result())
+        if request.finish_reason is not None:
+            break  # `ahead` feeds the stop token, and is lost with the engine
+        plan, pending = ahead, kept.engine.launch(ahead)
+    kept.revive()
+    kept.scheduler.reopen()
+    follow = kept.scheduler.add(1, follow_up, GREEDY)
+    kept.run()
+    assert follow.output_ids == expected
+
+
+def test_a_reopened_prefill_gives_every_prompt_logprob(tiny_model):
+    """The prompt's log-probabilities of the chunks before an engine's death died with it: a request that
+    asked for them and had no first draw runs its prompt again, and all of them come back."""
+    llm = LLM(tiny_model("llama"), dtype="float32", max_prefill_tokens=16)
+    prompt = list(range(5, 45))
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    expected = llm.generate([prompt], params)[0]
+    kept = KeptPool(llm)
+    request = kept.scheduler.add(0, prompt, params)
+    kept.step()  # the first chunk, answered
+    kept.engine.launch(kept.scheduler.schedule())  # the second, lost
+    kept.revive()
+    kept.scheduler.reopen()
+    kept.run()
+    assert len(request.prompt_logprobs) == len(expected.prompt_logprobs) == len(prompt) - 1
+    assert request.output_ids == expected.token_ids

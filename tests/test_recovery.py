@@ -284,3 +284,19 @@ def test_a_kv_pool_that_dev_shm_cannot_hold_stays_the_engines_own(smollm2):
     pages = (free - SHM_RING_ROOM) // (16 * 2 * 30 * 3 * 64 * 4) + 1  # a pool just past what is free
     short = ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=EngineConfig(device="cpu", num_pages=pages))
     assert "MB free" in _shm_shortfall(short)
+
+
+def test_a_standby_engine_is_refused_where_none_could_run(smollm2):
+    """--standby-engine takes device memory from the KV pool for a second engine: it is refused where that
+    engine would never start (on CPU, whose engine has a warm spare anyway; without warm spares; under
+    tensor parallelism, whose pool dies with the group), rather than shrink the pool for nothing."""
+    from actors.pipeline import ServeConfig
+    from runtime.config import EngineConfig
+
+    for engine, spares in ((EngineConfig(standby_engine=True), True), (EngineConfig(device="cuda", standby_engine=True), False)):
+        with pytest.raises(ValueError, match="standby_engine needs a GPU"):
+            ServeConfig(model_dir=str(smollm2), served_model_name="m", warm_spares=spares, engine=engine)
+    tp = EngineConfig(device="cuda", standby_engine=True, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="standby_engine needs a GPU"):
+        ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=tp)
+    ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=EngineConfig(device="cuda", standby_engine=True))

@@ -255,7 +255,7 @@ class Engine:
             if new.params.guide is not None:
                 self.grammars.open(new.slot, new.params)
         if reopened := [(new.slot, new.output_ids[-1]) for new in plan.new_slots if plan.resync and new.output_ids]:
-            slots, tokens = zip(*reopened)  # a reopened slot may decode at once (Scheduler.reopen): its last token
+            slots, tokens = zip(*reopened)  # a slot of a resync may decode at once (Scheduler.reopen): its last token
             self.last_tokens[list(slots)] = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
         for slot, pages in plan.pages:
             state = self.slots[slot]

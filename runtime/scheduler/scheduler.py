@@ -193,6 +193,8 @@ class Scheduler:
         steps run the kernels, and round as, its lost ones did."""
         self._chunk_ends.clear()
         for request in self.running:
+            if request.params.prompt_logprobs is not None and not request.output_ids:
+                request.confirmed = 0  # the prompt's log-probabilities so far died with the engine: its prompt runs again
             request.computed = request.confirmed
             request.decoding = bool(request.output_ids) and request.confirmed == len(request.tokens) - 1
         self._resync = True
@@ -338,7 +340,7 @@ class Scheduler:
         self._freed.append(request.slot)
         self._release_slot(request)
         if self.cache is not None:
-            whole = min(request.computed, len(request.tokens)) // self.page_size
+            whole = request.confirmed // self.page_size  # not what steps in flight will write: the engine may die first
             self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
             if request.pin:
