@@ -138,12 +138,19 @@ class Engine:
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
+        startup_s, lap_start = {}, [time.monotonic()]
+
+        def lap(phase: str) -> None:  # start-up's phases, logged with engine_ready (where a restart's time goes)
+            now = time.monotonic()
+            startup_s[phase], lap_start[0] = round(now - lap_start[0], 3), now
+
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = cfg = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
+        lap("weights")
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
@@ -162,6 +169,7 @@ class Engine:
             kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1])
+        lap("pool")
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
         self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
@@ -175,10 +183,12 @@ class Engine:
         self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
         fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
         graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
-        if graphs and config.cuda_graph_max_bs:
-            max_bs = min(config.cuda_graph_max_bs, slots)
+        max_bs = min(config.cuda_graph_max_bs, slots)
+        if graphs and max_bs:
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
             one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype, allow_summed=tp.size == 1)
+        lap("kernels")
+        if graphs and max_bs:
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
         if graphs and config.cuda_graph_max_prefill_tokens:
             self.prefill_graphs = PrefillGraphs(
@@ -190,9 +200,12 @@ class Engine:
                 self.device,
                 self.graphs.pool if self.graphs else None,
             )
+        lap("graphs")
         self._warm_up()
+        lap("warm_up")
         log.info(
             "engine_ready",
+            startup_s=startup_s,
             architecture=cfg.architecture,
             tp_rank=f"{tp.rank}/{tp.size}",
             dtype=str(self.dtype),
