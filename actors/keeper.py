@@ -35,21 +35,20 @@ def keeper_address(server: str, replica: int) -> str:
     return str(SHM_DIR / (server_prefix(server) + keeper_socket(replica)))
 
 
-class KeeperActor(Actor):
-    async def setup(self) -> None:
-        serve, replica = self.options["serve"], self.options["replica"]
-        self.device = rank_device(serve.engine.device, replica)
-        if self.device.type == "cuda":  # the context now: the engine sizes its pool from what is free after it
-            torch.cuda.set_device(self.device)
+class PoolKeeper:
+    """A keeper's pool and its answers, apart from the actor (a test runs one in a process of its own)."""
+
+    def __init__(self, address: str, device: torch.device, segment_name: str | None) -> None:
+        """`segment_name`: where the pool lies on CPU (a dead keeper's is unlinked first); None on CUDA."""
+        self.device, self.segment_name = device, segment_name
+        if device.type == "cuda":  # the context now: the engine sizes its pool from what is free after it
+            torch.cuda.set_device(device)
             torch.cuda.init()
-            torch.empty(1, device=self.device)
+            torch.empty(1, device=device)
         self.pool: torch.Tensor | None = None  # CUDA
         self.segment: Segment | None = None  # CPU
-        segment = kv_pool_segment(serve, replica)
-        self.segment_name = None if segment is None else server_prefix(self.ctx.server) + segment
-        if self.segment_name is not None:
-            unlink_segment(self.segment_name)  # a dead keeper's pool: its engines died with it
-        address = keeper_address(self.ctx.server, replica)
+        if segment_name is not None:
+            unlink_segment(segment_name)  # a dead keeper's pool: its engines died with it
         if os.path.exists(address):  # a dead keeper's socket
             os.unlink(address)
         umask = os.umask(0o077)  # the socket is this user's, as the segments are
@@ -57,14 +56,9 @@ class KeeperActor(Actor):
             self.listener = Listener(address, "AF_UNIX")
         finally:
             os.umask(umask)
-        threading.Thread(target=self._answer, name="keeper", daemon=True).start()
 
-    async def run(self) -> None:
-        await asyncio.Event().wait()  # the thread answers; the loop only beats, until a stop
-
-    def _answer(self) -> None:
-        """One question per connection: a pool size in bytes; the answer says where the pool is. The
-        thread ends with the process."""
+    def answer_forever(self) -> None:
+        """One question per connection: a pool size in bytes; the answer says where the pool is."""
         while True:
             with self.listener.accept() as conn:
                 try:
@@ -90,6 +84,22 @@ class KeeperActor(Actor):
             torch.cuda.synchronize(self.device)
             log.info("kv_pool_made", bytes=size, device=str(self.device))
         return ("cuda", *reduce_tensor(self.pool))
+
+
+class KeeperActor(Actor):
+    async def setup(self) -> None:
+        serve, replica = self.options["serve"], self.options["replica"]
+        segment = kv_pool_segment(serve, replica)
+        self.keeper = PoolKeeper(
+            keeper_address(self.ctx.server, replica),
+            rank_device(serve.engine.device, replica),
+            None if segment is None else server_prefix(self.ctx.server) + segment,
+        )
+        # the thread answers (and ends with the process); the loop only beats, until a stop
+        threading.Thread(target=self.keeper.answer_forever, name="keeper", daemon=True).start()
+
+    async def run(self) -> None:
+        await asyncio.Event().wait()
 
 
 def wait_for_keeper(address: str) -> None:

@@ -300,3 +300,85 @@ def test_a_standby_engine_is_refused_where_none_could_run(smollm2):
     with pytest.raises(ValueError, match="standby_engine needs a GPU"):
         ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=tp)
     ServeConfig(model_dir=str(smollm2), served_model_name="m", engine=EngineConfig(device="cuda", standby_engine=True))
+
+
+def _keep(address: str, device: str, segment: str | None, ready) -> None:
+    import torch
+
+    from actors.keeper import PoolKeeper
+
+    keeper = PoolKeeper(address, torch.device(device), segment)
+    ready.set()
+    keeper.answer_forever()
+
+
+def _cuda_with_flashinfer() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("flashinfer") is not None
+
+
+NEEDS_CUDA = pytest.mark.skipif(not _cuda_with_flashinfer(), reason="needs CUDA and flashinfer")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_one_stopped(tiny_model, tmp_path, device):
+    """The keeper's protocol across processes (a shared segment on CPU, a CUDA IPC handle on a GPU): an
+    engine maps the pool a keeper process holds, its replacement maps the same bytes, the scheduler
+    reopens the running requests over them, and the tokens are those of an uninterrupted run."""
+    import multiprocessing
+
+    import torch
+
+    from actors.keeper import map_kept_pool
+    from runtime import LLM, SamplingParams
+    from runtime.engine.engine import Engine
+    from runtime.scheduler.scheduler import Scheduler
+    from tests.tiny_models import build
+    from transport.segment import unlink_segment
+
+    cuda = device == "cuda"
+    model = build("qwen3", tmp_path / "model", head_dim=128) if cuda else tiny_model("llama")  # flashinfer's head dims
+    llm = LLM(model, device=device, dtype="bfloat16" if cuda else "float32", num_pages=256)  # on CUDA not most of the device
+    prompts = [list(range(5 + i, 25 + 3 * i)) for i in range(4)]
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    expected = [o.token_ids for o in llm.generate(prompts, greedy)]
+    context = multiprocessing.get_context("spawn" if cuda else "fork")  # a fork would share this process's CUDA state
+    ready, address = context.Event(), str(tmp_path / "keeper.sock")
+    segment = None if cuda else f"ringllm-test-keeper-{os.getpid()}"
+    keeper = context.Process(target=_keep, args=(address, device, segment, ready), daemon=True)
+    keeper.start()
+    mappings, engines = [], []
+
+    def kept(size: int) -> torch.Tensor:
+        mapping, memory = map_kept_pool(address, size)
+        mappings.append(mapping)
+        return memory
+
+    try:
+        assert ready.wait(120)
+        engines.append(engine := Engine(llm.model_dir, llm.config, kv_memory=kept))
+        cfg = engine.model_config
+        scheduler = Scheduler(llm.config, engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+        requests = [scheduler.add(rid, prompt, greedy) for rid, prompt in enumerate(prompts)]
+        for _ in range(8):
+            plan = scheduler.schedule()
+            scheduler.update(plan.step, engine.launch(plan).result())
+        engine.launch(scheduler.schedule())  # lost with the engine
+        engines.append(engine := Engine(llm.model_dir, llm.config, kv_memory=kept))
+        scheduler.reopen()
+        while scheduler.has_work():
+            plan = scheduler.schedule()
+            scheduler.update(plan.step, engine.launch(plan).result())
+        assert [r.output_ids for r in requests] == expected
+    finally:
+        keeper.kill()
+        keeper.join()
+        engines.clear()  # before their mappings close
+        for mapping in mappings:
+            if mapping is not None:
+                mapping.close()
+        if segment is not None:
+            unlink_segment(segment)
