@@ -77,6 +77,9 @@ class EngineActor(Actor):
         tp = TensorParallel.join(self.rank, config, self.ctx.rendezvous, device)
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
+        self.threads = torch.get_num_threads()
+        if device.type == "cpu" and self.ctx.standby is not None:  # a spare sets up beside the live engine: on one core
+            torch.set_num_threads(1)
         self.epochs_from_frames = tp.size > 1
         self.kv_segment: Segment | None = None  # on CPU, the kept pool's mapping, held as long as the engine uses it
         kv_memory = None
@@ -110,6 +113,7 @@ class EngineActor(Actor):
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0
 
     async def run(self) -> None:
+        torch.set_num_threads(self.threads)  # a promoted spare's cores
         # only now, not in setup: a warm spare sets up while the engine it may replace still runs on this row
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
