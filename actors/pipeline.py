@@ -64,10 +64,14 @@ def api_worker_names(config: ServeConfig) -> list[str]:
     return [f"api{i}" for i in range(config.api_workers)]
 
 
-def scheduler_names(config: ServeConfig) -> list[str]:
-    """One per replica: scheduler, or scheduler0..schedulerM-1."""
+def _per_replica(config: ServeConfig, name: str) -> list[str]:
+    """One per replica: NAME, or NAME0..NAMEM-1."""
     replicas = config.data_parallel_size
-    return ["scheduler"] if replicas == 1 else [f"scheduler{r}" for r in range(replicas)]
+    return [name] if replicas == 1 else [f"{name}{r}" for r in range(replicas)]
+
+
+def scheduler_names(config: ServeConfig) -> list[str]:
+    return _per_replica(config, "scheduler")
 
 
 def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
@@ -85,10 +89,8 @@ def pool_outlives_engine(config: ServeConfig) -> bool:
 
 
 def keeper_names(config: ServeConfig) -> list[str]:
-    """One per replica where the pool outlives its engine: keeper, or keeper0..keeperM-1."""
-    if not pool_outlives_engine(config):
-        return []
-    return ["keeper"] if config.data_parallel_size == 1 else [f"keeper{r}" for r in range(config.data_parallel_size)]
+    """One per replica where the pool outlives its engine."""
+    return _per_replica(config, "keeper") if pool_outlives_engine(config) else []
 
 
 def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
@@ -120,9 +122,9 @@ def pipeline(config: ServeConfig) -> Topology:
                 preload=("torch",),
                 watchdog_s=config.watchdog_timeout,
                 group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
-                # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request, and
-                # only over a kept pool (it could not hold a second one)
-                spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or outlives and config.engine.standby_engine),
+                # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request
+                # (ServeConfig allows a standby only over a kept pool: it could not hold a second one)
+                spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or config.engine.standby_engine),
                 keeps_epoch=outlives,
                 needs=keepers[replica] if outlives else None,
             )

@@ -152,7 +152,7 @@ class SchedulerActor(Actor):
         self.ended: dict[int, Ended | None] = {}
         self.refused: dict[int, tuple[Refusal, float]] = {}  # likewise, the requests refused here, and when
         # a restart of the detokenizer that keeps the epoch is resynced; one before this epoch is covered by its replay
-        self._detokenizer_restarts, self._resync = int(self.control.slots[self._detokenizer_slot]["restarts"]), False
+        self._detokenizer_restarts, self._resync = self._restarts(self._detokenizer_slot), False
         self._engine_restarts, self._engine_lost = self._restarts(self._engine_slot), False
         self.in_flight: deque[int] = deque()
         # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import datetime
 import json
 import os
@@ -35,6 +36,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,39 +123,36 @@ class Server:
         tail = self.log.read_text(errors="replace").splitlines()[-200:]
         return "\n".join(([line for line in tail if "error" in line.lower()] or tail)[-lines:])
 
-    def actors(self) -> dict[str, list[int]]:
-        """Live pids by actor kind, from the control block."""
+    @contextlib.contextmanager
+    def _control(self) -> Iterator[ControlBlock]:
+        """The server's control block, attached for one look."""
         control = ControlBlock.attach(str(self.port))
         try:
-            pids: dict[str, list[int]] = {}
-            for (_, kind), slot in zip(control.actors, control.slots):
-                pids.setdefault(kind, []).append(int(slot["pid"]))
-            return pids
+            yield control
         finally:
             control.close()
+
+    def actors(self) -> dict[str, list[int]]:
+        """Live pids by actor kind, from the control block."""
+        pids: dict[str, list[int]] = {}
+        with self._control() as control:
+            for (_, kind), slot in zip(control.actors, control.slots):
+                pids.setdefault(kind, []).append(int(slot["pid"]))
+        return pids
 
     def spares_set_up(self, kind: str) -> bool:
         """No warm spare of `kind` is on its way (a kill meanwhile would find none ready and start cold)."""
-        control = ControlBlock.attach(str(self.port))
-        try:
+        with self._control() as control:
             return not any(k == kind and slot["spare_pid"] == SPARE_STARTING for (_, k), slot in zip(control.actors, control.slots))
-        finally:
-            control.close()
 
     def epoch(self) -> int:
-        control = ControlBlock.attach(str(self.port))
-        try:
+        with self._control() as control:
             return int(control.epoch)
-        finally:
-            control.close()
 
     def restarts(self, kind: str) -> int:
         """Restarts of `kind`'s actors so far (a restart that keeps the epoch counts too)."""
-        control = ControlBlock.attach(str(self.port))
-        try:
+        with self._control() as control:
             return sum(int(slot["restarts"]) for (_, k), slot in zip(control.actors, control.slots) if k == kind)
-        finally:
-            control.close()
 
     def remember_processes(self) -> None:
         try:

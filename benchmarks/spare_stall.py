@@ -23,7 +23,7 @@ import aiohttp
 import orjson
 
 from benchmarks.chaos import Server
-from benchmarks.server import free_port, wait_healthy
+from benchmarks.server import free_port, sse_events, wait_healthy
 
 SETTLE_S = 12.0  # past start-up and the first spares' set-up (5 s after start-up)
 KILL_AT_S = 5.0  # into the load
@@ -33,15 +33,15 @@ KILL_PAUSE_S = 1.5  # after the kill: the promotion's own pause, not counted as 
 async def _stream(http: aiohttp.ClientSession, index: int, until: float, gaps: list[tuple[float, float]]) -> None:
     """Completions one after another until `until`, each token's (arrival, gap since the one before)."""
     while time.monotonic() < until:
-        body = {"prompt": f"Count slowly from {index} to a thousand:", "max_tokens": 200, "temperature": 0, "stream": True}
+        prompt = f"Count slowly from {index} to a thousand:"
+        body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
         last = None
-        async with http.post("/v1/completions", json=body | {"ignore_eos": True}) as reply:
-            async for line in reply.content:
-                if line.startswith(b"data: {"):
-                    now = time.monotonic()
-                    if last is not None:
-                        gaps.append((now, now - last))
-                    last = now
+        async with http.post("/v1/completions", json=body) as reply:
+            async for _ in sse_events(reply):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append((now, now - last))
+                last = now
 
 
 def _ms(seconds: float) -> int:

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import orjson
 import psutil
@@ -19,6 +20,11 @@ import pytest
 
 from benchmarks.server import stop_with_parent
 from transport.segment import list_segments, remove_segments, server_prefix
+
+if TYPE_CHECKING:
+    import torch
+
+    from runtime import LLM
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -312,3 +318,38 @@ def with_tokenizer(model_dir: Path, tokenizer_dir: Path, into: Path) -> Path:
     for item in tokenizer_dir.glob("tokenizer*"):
         shutil.copy(item, into / item.name)
     return into
+
+
+class KeptPool:
+    """Engines over a KV pool whose bytes outlive them, as a keeper actor holds them (`kv_memory`; by
+    default a tensor of this process), and one scheduler: `revive` is a dead engine's replacement over
+    the same bytes."""
+
+    def __init__(self, llm: LLM, kv_memory: Callable[[int], torch.Tensor] | None = None) -> None:
+        from runtime.scheduler.scheduler import Scheduler
+
+        self.llm, self.memory, self.kv_memory = llm, None, kv_memory or self._bytes
+        self.engine = self.revive()
+        cfg = self.engine.model_config
+        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+
+    def _bytes(self, size: int) -> torch.Tensor:
+        import torch
+
+        if self.memory is None:
+            self.memory = torch.zeros(size, dtype=torch.uint8)
+        return self.memory
+
+    def revive(self):
+        from runtime.engine.engine import Engine
+
+        self.engine = Engine(self.llm.model_dir, self.llm.config, kv_memory=self.kv_memory)
+        return self.engine
+
+    def step(self) -> None:
+        plan = self.scheduler.schedule()
+        self.scheduler.update(plan.step, self.engine.launch(plan).result())
+
+    def run(self) -> None:
+        while self.scheduler.has_work():
+            self.step()

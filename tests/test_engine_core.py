@@ -14,6 +14,7 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.engine.batch import AttentionMeta
+from tests.conftest import KeptPool
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -409,38 +410,6 @@ def test_the_priority_policy_admits_by_priority_and_preempts_the_lowest_first(ti
         outputs = tight.generate(random_prompts(2, range(30, 31), seed=12), long)
         assert all(len(o.token_ids) == 40 for o in outputs)
     assert victims["fcfs"][0] == 0 and victims["priority"][0] == 5, victims
-
-
-class KeptPool:
-    """A KV pool's bytes that outlive the engines mapping them, as a keeper actor holds them, and those
-    engines: `revive` is a dead engine's replacement over the same bytes."""
-
-    def __init__(self, llm: LLM) -> None:
-        from runtime.scheduler.scheduler import Scheduler
-
-        self.llm, self.memory = llm, None
-        self.engine = self.revive()
-        cfg = self.engine.model_config
-        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
-
-    def _bytes(self, size: int) -> torch.Tensor:
-        if self.memory is None:
-            self.memory = torch.zeros(size, dtype=torch.uint8)
-        return self.memory
-
-    def revive(self):
-        from runtime.engine.engine import Engine
-
-        self.engine = Engine(self.llm.model_dir, self.llm.config, kv_memory=self._bytes)
-        return self.engine
-
-    def step(self) -> None:
-        plan = self.scheduler.schedule()
-        self.scheduler.update(plan.step, self.engine.launch(plan).result())
-
-    def run(self) -> None:
-        while self.scheduler.has_work():
-            self.step()
 
 
 def test_an_engine_over_the_pool_a_dead_one_left_decodes_on_with_the_same_tokens(tiny_model):

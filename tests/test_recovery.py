@@ -334,8 +334,7 @@ def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_o
 
     from actors.keeper import map_kept_pool
     from runtime import LLM, SamplingParams
-    from runtime.engine.engine import Engine
-    from runtime.scheduler.scheduler import Scheduler
+    from tests.conftest import KeptPool
     from tests.tiny_models import build
     from transport.segment import unlink_segment
 
@@ -350,33 +349,29 @@ def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_o
     segment = None if cuda else f"ringllm-test-keeper-{os.getpid()}"
     keeper = context.Process(target=_keep, args=(address, device, segment, ready), daemon=True)
     keeper.start()
-    mappings, engines = [], []
+    mappings = []
 
     def kept(size: int) -> torch.Tensor:
         mapping, memory = map_kept_pool(address, size)
         mappings.append(mapping)
         return memory
 
+    pool = None
     try:
         assert ready.wait(120)
-        engines.append(engine := Engine(llm.model_dir, llm.config, kv_memory=kept))
-        cfg = engine.model_config
-        scheduler = Scheduler(llm.config, engine.num_pages, cfg.eos_token_ids, cfg.max_position)
-        requests = [scheduler.add(rid, prompt, greedy) for rid, prompt in enumerate(prompts)]
+        pool = KeptPool(llm, kept)
+        requests = [pool.scheduler.add(rid, prompt, greedy) for rid, prompt in enumerate(prompts)]
         for _ in range(8):
-            plan = scheduler.schedule()
-            scheduler.update(plan.step, engine.launch(plan).result())
-        engine.launch(scheduler.schedule())  # lost with the engine
-        engines.append(engine := Engine(llm.model_dir, llm.config, kv_memory=kept))
-        scheduler.reopen()
-        while scheduler.has_work():
-            plan = scheduler.schedule()
-            scheduler.update(plan.step, engine.launch(plan).result())
+            pool.step()
+        pool.engine.launch(pool.scheduler.schedule())  # lost with the engine
+        pool.revive()
+        pool.scheduler.reopen()
+        pool.run()
         assert [r.output_ids for r in requests] == expected
     finally:
         keeper.kill()
         keeper.join()
-        engines.clear()  # before their mappings close
+        del pool  # its engines, before their mappings close
         for mapping in mappings:
             if mapping is not None:
                 mapping.close()

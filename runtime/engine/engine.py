@@ -267,9 +267,9 @@ class Engine:
             self.lengths[new.slot] = new.cached
             if new.params.guide is not None:
                 self.grammars.open(new.slot, new.params)
-        if reopened := [(new.slot, new.output_ids[-1]) for new in plan.new_slots if plan.resync and new.output_ids]:
+        if plan.resync and (reopened := [(new.slot, new.output_ids[-1]) for new in plan.new_slots if new.output_ids]):
             slots, tokens = zip(*reopened)  # a slot of a resync may decode at once (Scheduler.reopen): its last token
-            self.last_tokens[list(slots)] = torch.tensor(tokens, dtype=torch.int64).to(self.device, non_blocking=True)
+            self.last_tokens[list(slots)] = self._to_device(np.array(tokens, dtype=np.int64))
         for slot, pages in plan.pages:
             state = self.slots[slot]
             self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
