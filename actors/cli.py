@@ -98,6 +98,7 @@ def serve(args: argparse.Namespace) -> int:
             kv_cache_dtype=args.kv_cache_dtype,
             quantization=args.quantization,
             standby_engine=args.standby_engine,
+            deterministic=args.enable_deterministic_inference,
         )
         model_dir = resolve_model_dir(args.model)
         config = ServeConfig(
@@ -326,6 +327,11 @@ def main(argv: list[str] | None = None) -> int:
         "--standby-engine",
         action="store_true",
         help="CUDA: a second engine process, set up over the kept KV pool with its own weights, takes over at once when the engine dies",
+    )
+    s.add_argument(
+        "--enable-deterministic-inference",
+        action="store_true",
+        help="batch-invariant kernels: a request's output does not depend on what else runs beside it (slower; dense models)",
     )
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])

@@ -184,6 +184,9 @@ class EngineConfig:
     # CUDA: a standby engine (a warm spare over the kept KV pool) runs beside the live one: the pool leaves room for
     # its own copy of the weights and its graphs
     standby_engine: bool = False
+    # every row's values independent of what else shares its step (batch-invariant GEMMs and attention), so a
+    # request's tokens and logprobs repeat exactly whatever the load: SGLang's --enable-deterministic-inference
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
@@ -220,6 +223,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or none, not {self.quantization!r}")
+        if self.deterministic and (self.quantization or self.fp8_kv or self.tensor_parallel_size > 1):
+            raise ValueError("deterministic inference runs unquantized weights and KV on one rank (FP8 scales and all-reduces mix rows)")
 
     @property
     def fp8_kv(self) -> bool:

@@ -30,13 +30,24 @@ class FlashInferAttention:
     plan first waits for the copy of the one before, which is queued behind the step before that:
     with three steps in flight, the wait ends as the oldest of them does."""
 
-    def __init__(self, pool: KVPool, num_heads: int) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, deterministic: bool = False) -> None:
+        """`deterministic`: every row, prefill or decode, eager or in a graph, through FA3's paged prefill,
+        whose plan neither splits a row's KV nor sizes its tiles by the batch (flashinfer's FA2 does both):
+        a row's output is then the same whatever shares its step."""
         import flashinfer  # optional: present on CUDA machines only
 
         self.flashinfer, self.pool, self.num_heads = flashinfer, pool, num_heads
+        self.backend = "auto"
+        if deterministic:
+            if not flashinfer.utils.is_sm90a_supported(pool.device):
+                raise ValueError("deterministic inference needs flashinfer's FA3 kernels: a Hopper GPU (sm90) and CUDA 12.3 or later")
+            self.backend = "fa3"
         self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD")
-        self.decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
+        self.decode = (
+            self.prefill if deterministic else flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+        )
+        self.deterministic = deterministic
         self.active = self.prefill
         try:
             from runtime.kernels.triton.host_copy import send
@@ -57,6 +68,8 @@ class FlashInferAttention:
 
     def decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
         """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
+        if self.deterministic:
+            return self.prefill_graph_wrapper(batch_size, max_pages)
         indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
         return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace,
@@ -70,7 +83,9 @@ class FlashInferAttention:
 
     def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
-        None where Triton does not import."""
+        None where Triton does not import, or where it would not be the kernel of every row (deterministic)."""
+        if self.deterministic:
+            return None
         try:
             from runtime.kernels.triton.decode_attention import decode_attention
         except ImportError:
@@ -85,6 +100,7 @@ class FlashInferAttention:
             self.workspace,
             "NHD",
             use_cuda_graph=True,
+            backend=self.backend,
             qo_indptr_buf=torch.zeros_like(indptr),
             paged_kv_indptr_buf=indptr,
             paged_kv_indices_buf=indices,

@@ -18,14 +18,26 @@ class TorchAttention:
 
     rotates = False
 
-    def __init__(self, pool: KVPool, num_heads: int) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, deterministic: bool = False) -> None:
+        """`deterministic`: every row, a prompt's too, attends as a decode row (ringllm's paged decode
+        kernel over its own prefix), so a row's output is the same whatever shares its step."""
         self.pool = pool
         self.in_place = pool.device.type == "cpu" and pool.dtype == torch.float32 and cpu_kernels.available()
+        if deterministic and not self.in_place:
+            raise ValueError("deterministic inference on the torch backend needs a float32 CPU pool and ringllm's CPU kernels")
+        self.deterministic = deterministic
 
     def prepare(self, meta: AttentionMeta) -> None:
         device, ps = self.pool.device, self.pool.page_size
         counts = np.diff(meta.kv_indptr)
         self._decode = None
+        if self.deterministic:  # row i of a sequence whose step adds q rows to kv tokens sees kv - q + i + 1
+            q_lens = np.diff(meta.qo_indptr)
+            seq = np.repeat(np.arange(len(q_lens)), q_lens)
+            row_lens = np.repeat(meta.kv_lens - q_lens, q_lens) + np.arange(len(seq)) - np.repeat(meta.qo_indptr[:-1], q_lens) + 1
+            at = meta.kv_indptr[seq, None] + np.minimum(np.arange(int(counts.max()))[None, :], counts[seq, None] - 1)
+            self._decode = (torch.from_numpy(meta.kv_indices[at].astype(np.int64)), torch.from_numpy(row_lens.astype(np.int64)))
+            return
         if meta.decode_only:
             # each row's pages, padded with its own last page; the mask hides all but kv_len slots
             width = int(counts.max())

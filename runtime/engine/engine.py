@@ -27,6 +27,7 @@ from runtime.engine.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
+from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
@@ -150,6 +151,10 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
+        if config.deterministic:
+            if cfg.moe is not None or cfg.fp8 is not None:  # expert GEMMs take rows by routing; FP8 scales span rows
+                raise ValueError("deterministic inference serves dense, unquantized checkpoints")
+            make_batch_invariant(self.model, self.device)
         lap("weights")
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
@@ -168,7 +173,7 @@ class Engine:
             scales,
             kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
-        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1])
+        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1], config.deterministic)
         lap("pool")
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
@@ -184,7 +189,7 @@ class Engine:
         fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
         graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
         max_bs = min(config.cuda_graph_max_bs, slots)
-        if graphs and max_bs:
+        if graphs and max_bs and not config.deterministic:  # kernels chosen per row count: not batch-invariant
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
             one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype, allow_summed=tp.size == 1)
         lap("kernels")
@@ -218,6 +223,7 @@ class Engine:
             fp8_kernels=fp8_gemms,
             one_row_fused=one_row_fused,
             decode_attention=self.graphs.attention_kernels if self.graphs else None,
+            deterministic=config.deterministic,
             decode_graph_us={bs: round(ms * 1e3, 1) for bs, ms in self.graphs.replay_ms.items()} if self.graphs else None,
             prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
             padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None,
