@@ -11,15 +11,17 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
+from runtime.kernels.cpu import build as cpu_kernels
 from tests.tiny_models import build
 
+CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs ringllm's CPU kernels"))
 CUDA = pytest.param(
     "cuda",
     marks=pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"),
 )
 
 
-@pytest.mark.parametrize("device", ["cpu", CUDA])
+@pytest.mark.parametrize("device", [CPU, CUDA])
 def test_a_request_is_bitwise_the_same_alone_batched_and_cached(device, tmp_path):
     options = dict(device=device, dtype="bfloat16", page_size=16, num_pages=512) if device == "cuda" else {}
     model_dir = build("qwen3", tmp_path, head_dim=128) if device == "cuda" else build("qwen3", tmp_path)
