@@ -85,6 +85,7 @@ def engine_options(args: argparse.Namespace) -> dict:
         "custom_all_reduce": args.custom_all_reduce,
         "kv_cache_dtype": args.kv_cache_dtype,
         "quantization": args.quantization,
+        "deterministic": args.enable_deterministic_inference,
     }
 
 
@@ -225,6 +226,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--custom-all-reduce", action="store_true")
     parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype)
     parser.add_argument("--quantization", choices=["fp8"], help="per-row FP8 projections of a bf16 checkpoint")
+    parser.add_argument("--enable-deterministic-inference", action="store_true", help="batch-invariant kernels (ringllm serve's flag)")
     parser.add_argument(
         "--dp",
         "--data-parallel-size",
