@@ -22,9 +22,9 @@ CUDA = pytest.param(
 
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
-def test_a_request_is_bitwise_the_same_alone_batched_and_cached(device, tmp_path):
+def test_a_request_is_bitwise_the_same_alone_batched_and_cached(device, tiny_model, tmp_path):
     options = dict(device=device, dtype="bfloat16", page_size=16, num_pages=512) if device == "cuda" else dict(dtype="float32")
-    model_dir = build("qwen3", tmp_path, head_dim=128) if device == "cuda" else build("qwen3", tmp_path)
+    model_dir = build("qwen3", tmp_path, head_dim=128) if device == "cuda" else tiny_model("qwen3")
     llm = LLM(model_dir, deterministic=True, max_prefill_tokens=64, mixed_chunk=True, **options)
     rng = random.Random(0)
     prompt = [rng.randrange(500) for _ in range(40)]
