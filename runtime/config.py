@@ -225,6 +225,8 @@ class EngineConfig:
             raise ValueError(f"quantization must be fp8 or none, not {self.quantization!r}")
         if self.deterministic and (self.quantization or self.fp8_kv or self.tensor_parallel_size > 1):
             raise ValueError("deterministic inference runs unquantized weights and KV on one rank (FP8 scales and all-reduces mix rows)")
+        if self.deterministic and self.device == "cpu" and self.dtype == "auto":  # the CPU's batch-invariant attention is fp32
+            object.__setattr__(self, "dtype", "float32")
 
     @property
     def fp8_kv(self) -> bool:

@@ -11,7 +11,9 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
+from runtime.engine.sampling import _filtered_rows, log_softmax_rows
 from runtime.kernels.cpu import build as cpu_kernels
+from runtime.models.batch_invariant import BLOCK_ROWS, BatchInvariantLinear
 from tests.tiny_models import build
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs ringllm's CPU kernels"))
@@ -23,7 +25,7 @@ CUDA = pytest.param(
 
 @pytest.mark.parametrize("device", [CPU, CUDA])
 def test_a_request_is_bitwise_the_same_alone_batched_and_cached(device, tiny_model, tmp_path):
-    options = dict(device=device, dtype="bfloat16", page_size=16, num_pages=512) if device == "cuda" else dict(dtype="float32")
+    options = dict(device=device, dtype="bfloat16", page_size=16, num_pages=512) if device == "cuda" else {}  # CPU: fp32
     model_dir = build("qwen3", tmp_path, head_dim=128) if device == "cuda" else tiny_model("qwen3")
     llm = LLM(model_dir, deterministic=True, max_prefill_tokens=64, mixed_chunk=True, **options)
     rng = random.Random(0)
@@ -42,6 +44,27 @@ def test_a_request_is_bitwise_the_same_alone_batched_and_cached(device, tiny_mod
         assert cached.cached_tokens == 16
         assert (batched.token_ids, batched.logprobs) == (alone.token_ids, alone.logprobs)
         assert (cached.token_ids, cached.logprobs) == (alone.token_ids, alone.logprobs)
+
+
+@pytest.mark.parametrize("device", [CPU, CUDA])
+def test_a_row_is_bitwise_the_same_in_any_block_and_batch(device):
+    """The projections and the sampler's row-wise reductions (log-softmax; the top-k/p/min-p filters' softmax,
+    sums and cumulative sums), at Qwen3's vocabulary: torch splits a reduction by how many rows it has."""
+    generator = torch.Generator(device).manual_seed(0)
+    rows = BLOCK_ROWS[device] + 5
+    x = torch.randn(rows, 1024, generator=generator, device=device)
+    linear = BatchInvariantLinear(torch.nn.Linear(1024, 3072, device=device), BLOCK_ROWS[device])
+    logits = torch.randn(rows, 151936, generator=generator, device=device) * 4
+    params = [SamplingParams(temperature=0.7, top_p=0.9, top_k=50 * i, min_p=0.01 * (i % 3)) for i in range(rows)]
+    whole = (linear(x), log_softmax_rows(logits, BLOCK_ROWS[device]), _filtered_rows(logits, params, BLOCK_ROWS[device]))
+    order = torch.randperm(rows, generator=torch.Generator().manual_seed(1)).tolist()
+    shuffled = (linear(x[order]), log_softmax_rows(logits[order], BLOCK_ROWS[device]))
+    shuffled += (_filtered_rows(logits[order], [params[i] for i in order], BLOCK_ROWS[device]),)
+    for i in (0, 3, rows - 1):
+        alone = (linear(x[i : i + 1]), log_softmax_rows(logits[i : i + 1], BLOCK_ROWS[device]))
+        alone += (_filtered_rows(logits[i : i + 1], [params[i]], BLOCK_ROWS[device]),)
+        for batched, moved, one in zip(whole, shuffled, alone):
+            assert torch.equal(batched[i], one[0]) and torch.equal(moved[order.index(i)], one[0])
 
 
 @pytest.mark.parametrize("option", [dict(quantization="fp8"), dict(kv_cache_dtype="fp8_e4m3"), dict(tensor_parallel_size=2)])

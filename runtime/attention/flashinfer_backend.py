@@ -39,8 +39,8 @@ class FlashInferAttention:
         self.flashinfer, self.pool, self.num_heads = flashinfer, pool, num_heads
         self.backend = "auto"
         if deterministic:
-            if not flashinfer.utils.is_sm90a_supported(pool.device):
-                raise ValueError("deterministic inference needs flashinfer's FA3 kernels: a Hopper GPU (sm90) and CUDA 12.3 or later")
+            if not flashinfer.utils.is_sm90a_supported(pool.device) or pool.head_dim not in (64, 128, 256):
+                raise ValueError("deterministic inference needs FA3: a Hopper GPU, CUDA 12.3 or later, head dim 64, 128 or 256")
             self.backend = "fa3"
         self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
         self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)

@@ -150,11 +150,11 @@ class Engine:
         self.model_config = cfg = ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
+        if config.deterministic and (cfg.moe is not None or cfg.fp8 is not None):  # expert GEMMs take rows by routing; FP8 scales span rows
+            raise ValueError("deterministic inference serves dense, unquantized checkpoints")
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
-        if config.deterministic:
-            if cfg.moe is not None or cfg.fp8 is not None:  # expert GEMMs take rows by routing; FP8 scales span rows
-                raise ValueError("deterministic inference serves dense, unquantized checkpoints")
-            make_batch_invariant(self.model, self.device)
+        # deterministic inference: projections, then the sampler's row-wise reductions, on blocks of this many rows
+        self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
         lap("weights")
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
@@ -370,8 +370,8 @@ class Engine:
             count = min(len(chunk.token_ids), len(state.prompt_ids) - 1 - start)  # the prompt's last row predicts the output
             if count > 0:
                 targets = self._to_device(np.array(state.prompt_ids[start + 1 : start + 1 + count], dtype=np.int64))
-                rows = hidden[first : first + count]
-                state.prompt_logprobs.append(PromptLogprobs.of(self.model.logits, rows, targets, state.params.prompt_logprobs))
+                rows, top = hidden[first : first + count], state.params.prompt_logprobs
+                state.prompt_logprobs.append(PromptLogprobs.of(self.model.logits, rows, targets, top, self.block_rows))
 
     def _sample(self, step: HostStep, logits: torch.Tensor, sample_slots_on_device: torch.Tensor | None, constrained: bool) -> PendingStep:
         """Queues the draw of the sampling rows (masked by their grammars where `constrained`); each
@@ -383,7 +383,7 @@ class Engine:
         if constrained:
             slots, outputs = step.sample_slots.tolist(), [state.output_ids for state in step.states]
             constrain = functools.partial(self._masked, slots=slots, outputs=outputs)
-        drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain)
+        drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain, self.block_rows)
         for state in step.states:
             state.sampled += 1
         return self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from runtime.models.batch_invariant import in_blocks
 from runtime.sampling_params import SamplingParams
 
 _MIX = 0x9E3779B97F4A7C15
@@ -123,6 +124,23 @@ def _apply_penalties(logits: torch.Tensor, row: SampleRow) -> None:
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
 
 
+def log_softmax_rows(logits: torch.Tensor, block_rows: int | None = None) -> torch.Tensor:
+    """Row-wise log-softmax; with `block_rows` (deterministic inference), in blocks of that many rows."""
+    if block_rows is None:
+        return torch.log_softmax(logits, dim=-1)
+    return in_blocks(lambda block: torch.log_softmax(block, dim=-1), logits, block_rows)
+
+
+def _filtered_rows(logits: torch.Tensor, params: list[SamplingParams], block_rows: int | None) -> torch.Tensor:
+    """_filtered_log_probs; with `block_rows`, on blocks of that many rows, as in_blocks (the padding rows
+    filtered as the last row is)."""
+    if block_rows is None:
+        return _filtered_log_probs(logits, params)
+    padded = params + [params[-1]] * (-len(params) % block_rows)
+    starts = iter(range(0, len(padded), block_rows))
+    return in_blocks(lambda block: _filtered_log_probs(block, padded[(at := next(starts)) : at + block_rows]), logits, block_rows)
+
+
 def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
     """Log-probabilities at temperature, -inf where top-k, then top-p, then min-p exclude (as Hugging Face)."""
     device = logits.device
@@ -138,11 +156,16 @@ def _filtered_log_probs(logits: torch.Tensor, params: list[SamplingParams]) -> t
 
 
 def sample(
-    logits: torch.Tensor, rows: list[SampleRow], feedback: Feedback | None = None, constrain: Callable[[torch.Tensor], None] | None = None
+    logits: torch.Tensor,
+    rows: list[SampleRow],
+    feedback: Feedback | None = None,
+    constrain: Callable[[torch.Tensor], None] | None = None,
+    block_rows: int | None = None,
 ) -> Sample:
     """Next token per row, and top-N log-probabilities (the model's, before penalties, biases and
     grammars) when asked; `constrain` masks the rows' logits in place (grammars) after the penalties
-    and biases and before the filters. Rewritten logits go to fp32 first."""
+    and biases and before the filters. Rewritten logits go to fp32 first. `block_rows` (deterministic
+    inference): the row-wise reductions run on blocks of that many rows (runtime.models.batch_invariant)."""
     device = logits.device
     logprob_rows = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
     filtered = [i for i, row in enumerate(rows) if not row.params.greedy and row.params.filters]
@@ -150,7 +173,7 @@ def sample(
     if logprob_rows or filtered or rewritten or not (logits.is_cuda and _KERNEL):
         logits = logits.float()
     if logprob_rows:
-        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1)
+        raw_logprobs = log_softmax_rows(logits[logprob_rows], block_rows)
     for i, row in enumerate(rows):  # in place: the logits are this step's own
         if row.params.penalized:
             _apply_penalties(logits[i], row)
@@ -161,7 +184,7 @@ def sample(
         constrain(logits)
     temperatures = [0.0 if row.params.greedy else row.params.temperature for row in rows]
     if filtered:
-        logits[filtered] = _filtered_log_probs(logits[filtered], [rows[i].params for i in filtered])
+        logits[filtered] = _filtered_rows(logits[filtered], [rows[i].params for i in filtered], block_rows)
         for i in filtered:
             temperatures[i] = 1.0
     if not any(temperatures):
@@ -192,11 +215,18 @@ class PromptLogprobs:
     top_values: torch.Tensor  # [n, N]
 
     @classmethod
-    def of(cls, logits_of: Callable[[torch.Tensor], torch.Tensor], hidden: torch.Tensor, targets: torch.Tensor, top: int) -> PromptLogprobs:
-        """From the hidden states of the rows before `targets`, a block of rows at a time."""
+    def of(
+        cls,
+        logits_of: Callable[[torch.Tensor], torch.Tensor],
+        hidden: torch.Tensor,
+        targets: torch.Tensor,
+        top: int,
+        block_rows: int | None = None,
+    ) -> PromptLogprobs:
+        """From the hidden states of the rows before `targets`, a block of rows at a time (`block_rows`: as sample)."""
         parts = []
         for at in range(0, len(targets), PROMPT_LOGPROB_BLOCK):
-            logprobs = torch.log_softmax(logits_of(hidden[at : at + PROMPT_LOGPROB_BLOCK]).float(), dim=-1)
+            logprobs = log_softmax_rows(logits_of(hidden[at : at + PROMPT_LOGPROB_BLOCK]).float(), block_rows)
             chosen = logprobs.gather(1, targets[at : at + PROMPT_LOGPROB_BLOCK, None])
             best = logprobs.topk(top, dim=-1)
             parts.append((chosen[:, 0], (logprobs > chosen).sum(-1) + 1, best.indices, best.values))
