@@ -425,10 +425,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s)
     parser.add_argument("--spare-settle", type=float, default=SupervisorConfig.spare_settle_s, help="seconds before the first spares")
     parser.add_argument("--spare-delay", type=float, default=SupervisorConfig.spare_delay_s, help="seconds before a spare's successor")
+    parser.add_argument("--stop-timeout", type=float, default=SupervisorConfig.stop_timeout_s, help="seconds a stop waits for stragglers")
     args = parser.parse_args(argv)
     configure_logging("supervisor")
     topology = load_topology(args.topology, str(args.port))
-    config = SupervisorConfig(hang_timeout_s=args.hang_timeout, spare_settle_s=args.spare_settle, spare_delay_s=args.spare_delay)
+    config = SupervisorConfig(
+        hang_timeout_s=args.hang_timeout, spare_settle_s=args.spare_settle, spare_delay_s=args.spare_delay, stop_timeout_s=args.stop_timeout
+    )
     return Supervisor(topology, config).run()
 
 

@@ -204,7 +204,7 @@ def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path
     the kill and the sweep, and the supervisor then waited on its live actors forever."""
     monkeypatch.setenv("RINGLLM_PROBE_DIR", str(tmp_path))
     proc = subprocess.Popen(
-        [sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server],
+        [sys.executable, "-m", "actors.supervisor", CHAIN, "--port", server, "--stop-timeout", "1"],  # the hung actor's wait
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
