@@ -70,6 +70,7 @@ class ApiWorker(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
+        self.deterministic = serve.engine.deterministic
         self.priorities = serve.engine.schedule_policy == "priority"
         self.tool_call_parser, self.reasoning_parser = serve.tool_call_parser, serve.reasoning_parser
         self._tokenizer_slot = self.control.index("tokenizer")
@@ -309,8 +310,9 @@ class ApiWorker(Actor):
         return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
 
     def server_info(self) -> dict:
-        """The KV cache's dtype and tokens; the schedulers' gauges: each replica's, and their sums under "scheduler"; for a
-        mixture-of-experts model, each replica's latest interval of routing counts under "moe"."""
+        """The KV cache's dtype and tokens, whether inference is deterministic; the schedulers' gauges: each
+        replica's, and their sums under "scheduler"; for a mixture-of-experts model, each replica's latest
+        interval of routing counts under "moe"."""
         replicas = []
         for name in self.schedulers:
             gauges = self.control.slots[self.control.index(name)]["gauges"]
@@ -320,6 +322,7 @@ class ApiWorker(Actor):
             "max_model_len": self.max_model_len,
             "epoch": self.epoch,
             "kv_cache_dtype": self.kv_cache_dtype,
+            "deterministic": self.deterministic,  # --enable-deterministic-inference
             "kv_tokens": sum(replica["total_pages"] for replica in replicas) * self.page_size,  # 0 until the engines report
             "scheduler": {key: sum(replica[key] for replica in replicas) for key in replicas[0]},
             "replicas": replicas,

@@ -1,11 +1,14 @@
 """Deterministic inference: a request's logprobs are bitwise the same alone, in a batch of two dozen
 (decodes riding with prompt chunks), and over a cached prefix. On CPU (fp32) and, where there is
-one, a Hopper GPU (bf16, CUDA graphs and eager steps both)."""
+one, a Hopper GPU (bf16, CUDA graphs and eager steps both); and through a real server, whose
+/server_info says so, with the openai client."""
 
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import pytest
 import torch
 
@@ -14,6 +17,7 @@ from runtime.config import EngineConfig
 from runtime.engine.sampling import _filtered_rows, log_softmax_rows
 from runtime.kernels.cpu import build as cpu_kernels
 from runtime.models.batch_invariant import BLOCK_ROWS, BatchInvariantLinear
+from tests.conftest import launch, with_tokenizer
 from tests.tiny_models import build
 
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs ringllm's CPU kernels"))
@@ -76,3 +80,27 @@ def test_deterministic_inference_refuses_what_mixes_rows(option):
 def test_deterministic_inference_refuses_a_sparse_model(tiny_model):
     with pytest.raises(ValueError, match="dense"):
         LLM(tiny_model("qwen3_moe"), deterministic=True)
+
+
+def test_a_served_request_is_bitwise_the_same_alone_and_among_fifteen_others(tiny_model, smollm2, tmp_path):
+    model = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
+    server = launch(model, tmp_path / "serve.log", "--enable-deterministic-inference")
+    try:
+        assert server.get("/server_info")["deterministic"] is True
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        rng = random.Random(1)
+        prompts = [[rng.randrange(1, 500) for _ in range(rng.randint(3, 60))] for _ in range(16)]
+
+        def complete(prompt: list[int]) -> tuple[str, list[float]]:
+            extra = {"ignore_eos": True, "seed": 5}
+            choice = client.completions.create(
+                model=server.model, prompt=prompt, max_tokens=10, temperature=0.9, logprobs=2, extra_body=extra
+            )
+            return choice.choices[0].text, choice.choices[0].logprobs.token_logprobs
+
+        alone = complete(prompts[0])
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(complete, prompts))
+        assert together[0] == alone
+    finally:
+        server.stop()
