@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument(
         "--enable-deterministic-inference",
         action="store_true",
-        help="batch-invariant kernels: a request's output does not depend on what else runs beside it (slower; dense models)",
+        help="batch-invariant kernels: a request's output does not depend on what runs beside it (dense models; Hopper GPUs, fp32 CPUs)",
     )
     s.add_argument("--shutdown-timeout", type=float, default=SupervisorConfig.shutdown_timeout_s, help=HELP["shutdown-timeout"])
     s.add_argument("--log-format", choices=LOG_FORMATS, default="json", help=HELP["log-format"])
