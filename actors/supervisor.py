@@ -42,6 +42,12 @@ class Spare:
     proc: mp.process.BaseProcess
     standby: Standby
 
+    def discard(self) -> None:
+        """Kill a spare never promoted: nothing of its own to finish."""
+        self.proc.kill()
+        self.proc.join()
+        self.proc.close()
+
 
 @dataclass(frozen=True)
 class SupervisorConfig:
@@ -206,10 +212,8 @@ class Supervisor:
         self._stopping = True
         if self.control is None:  # nothing was created (another server owns the port)
             return
-        for spare in self._spares.values():  # set up, never promoted: nothing of theirs to finish
-            spare.proc.kill()
-            spare.proc.join()
-            spare.proc.close()
+        for spare in self._spares.values():
+            spare.discard()
         self._spares.clear()
         deadline = time.monotonic() + self.config.stop_timeout_s
         needed = {actor.needs for actor in self.topology.actors}
@@ -352,9 +356,7 @@ class Supervisor:
             if actor.needs != name:
                 continue
             if (spare := self._spares.pop(dependent, None)) is not None:
-                spare.proc.kill()
-                spare.proc.join()
-                spare.proc.close()
+                spare.discard()
                 self._schedule_spare(dependent, self.config.spare_delay_s)
             if (proc := self._procs.get(dependent)) is not None:
                 proc.kill()
