@@ -29,25 +29,22 @@ class TorchAttention:
 
     def prepare(self, meta: AttentionMeta) -> None:
         device, ps = self.pool.device, self.pool.page_size
-        counts = np.diff(meta.kv_indptr)
         self._decode = None
-        if self.deterministic:  # row i of a sequence whose step adds q rows to kv tokens sees kv - q + i + 1
+        if self.deterministic or meta.decode_only:
+            # each row attends as a decode row: its sequence's pages, padded with its own last page, up to its own
+            # position (row i of a sequence whose step adds q rows to kv tokens sees kv - q + i + 1)
             q_lens = np.diff(meta.qo_indptr)
             seq = np.repeat(np.arange(len(q_lens)), q_lens)
-            row_lens = np.repeat(meta.kv_lens - q_lens, q_lens) + np.arange(len(seq)) - np.repeat(meta.qo_indptr[:-1], q_lens) + 1
-            at = meta.kv_indptr[seq, None] + np.minimum(np.arange(int(counts.max()))[None, :], counts[seq, None] - 1)
-            self._decode = (torch.from_numpy(meta.kv_indices[at].astype(np.int64)), torch.from_numpy(row_lens.astype(np.int64)))
-            return
-        if meta.decode_only:
-            # each row's pages, padded with its own last page; the mask hides all but kv_len slots
+            row_lens = (meta.kv_lens - q_lens - meta.qo_indptr[:-1])[seq] + np.arange(len(seq)) + 1
+            counts = np.diff(meta.kv_indptr)[seq]
             width = int(counts.max())
-            at = meta.kv_indptr[:-1, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
+            at = meta.kv_indptr[seq, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
             pages = torch.from_numpy(meta.kv_indices[at].astype(np.int64)).to(device)
             if self.in_place:
-                self._decode = (pages, torch.from_numpy(meta.kv_lens.astype(np.int64)))
+                self._decode = (pages, torch.from_numpy(row_lens.astype(np.int64)))
                 return
             # additive, in the pool's dtype: SDPA would convert a boolean mask in every layer
-            hidden = np.arange(width * ps)[None, :] >= meta.kv_lens[:, None]
+            hidden = np.arange(width * ps)[None, :] >= row_lens[:, None]
             mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
             self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.compute_dtype, device=device).masked_fill_(mask, float("-inf")))
             return
