@@ -32,9 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.engine import cuda_graph
-from runtime.models.decoder import MLP, DecoderLayer, OneRowFusion
+from runtime.models.decoder import MLP, DecoderLayer
 from runtime.models.fp8 import Fp8Kernel, Fp8Linear
-from runtime.models.layers import linear_slots
+from runtime.models.layers import OneRowFusion, linear_slots
 
 log = structlog.get_logger()
 

@@ -7,7 +7,6 @@ row-parallel projections' partial outputs with one all-reduce each."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +18,7 @@ from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.engine.batch import ForwardBatch, StepAbandoned
 from runtime.kernels.rope import Rope
-from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear, rope_cos_sin_cache
+from runtime.models.layers import NO_FUSION, FusedOps, OneRowFusion, RMSNorm, norm_then_linear, rope_cos_sin_cache
 from runtime.models.moe import SparseMoe
 from runtime.models.sharding import vocab_shard
 
@@ -76,23 +75,6 @@ class Attention(nn.Module):
             self.ops.rope(positions, qk, self.heads, rope_tables)
             backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), batch)
         return backend.forward(self.layer, qk[:, : self.heads], batch).reshape(tokens, self.q_size)
-
-
-NormLinear = Callable[[torch.Tensor, torch.Tensor | None, RMSNorm, nn.Module], tuple[torch.Tensor, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class OneRowFusion:
-    """One-row kernels fusing a norm or SiLU-and-mul into the projection after it (gemm_tuner sets the winners).
-    With `o_proj` set, o_proj and down_proj add the residual themselves and the layer hands on the sum."""
-
-    qkv: NormLinear | None = None
-    gate_up: NormLinear | None = None
-    down: Callable[[torch.Tensor, nn.Module, torch.Tensor | None], torch.Tensor] | None = None
-    o_proj: Callable[[torch.Tensor, nn.Module, torch.Tensor], torch.Tensor] | None = None
-
-
-NO_FUSION = OneRowFusion()
 
 
 class MLP(nn.Module):

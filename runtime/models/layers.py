@@ -1,5 +1,6 @@
 """RMSNorm, SiLU-and-mul and rope behind fused-op sets chosen at start-up: sgl_kernel or flashinfer
-(CUDA), ringllm_cpu (fp32 CPU), and `torch`, the reference, whose math follows Hugging Face's."""
+(CUDA), ringllm_cpu (fp32 CPU), and `torch`, the reference, whose math follows Hugging Face's. Also
+the one-row fusions a decoder layer, dense or sparse, may be handed (OneRowFusion)."""
 
 from __future__ import annotations
 
@@ -199,6 +200,23 @@ def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNo
         return linear(norm(h)), h
     h, residual = norm(h, residual)
     return linear(h), residual
+
+
+NormLinear = Callable[[Tensor, Tensor | None, RMSNorm, nn.Module], tuple[Tensor, Tensor]]
+
+
+@dataclass(frozen=True)
+class OneRowFusion:
+    """One-row kernels fusing a norm or SiLU-and-mul into the projection after it (gemm_tuner sets the winners).
+    With `o_proj` set, o_proj and down_proj add the residual themselves and the layer hands on the sum."""
+
+    qkv: NormLinear | None = None
+    gate_up: NormLinear | None = None
+    down: Callable[[Tensor, nn.Module, Tensor | None], Tensor] | None = None
+    o_proj: Callable[[Tensor, nn.Module, Tensor], Tensor] | None = None
+
+
+NO_FUSION = OneRowFusion()
 
 
 def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:

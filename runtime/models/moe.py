@@ -8,7 +8,6 @@ the decoder layer's all-reduce sums the ranks' partial outputs."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -16,10 +15,7 @@ from torch import nn
 
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
-from runtime.models.layers import FusedOps, RMSNorm, norm_then_linear
-
-if TYPE_CHECKING:  # decoder.py builds SparseMoe: a type only, no import at run time
-    from runtime.models.decoder import OneRowFusion
+from runtime.models.layers import FusedOps, OneRowFusion, RMSNorm, norm_then_linear
 
 EXPERT_PARTS = ("gate_proj", "up_proj", "down_proj")  # a checkpoint's experts.{e}.{part}.weight
 
