@@ -44,8 +44,8 @@ from actors.frames import Adopt, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
 from actors.pipeline import pool_outlives_engine, scheduler_names
+from runtime.batch import StepAbandoned
 from runtime.distributed import TensorParallel, rank_device
-from runtime.engine.batch import StepAbandoned
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics

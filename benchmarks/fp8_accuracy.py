@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from runtime import LLM, SamplingParams
-from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
+from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 
 MODES = {"baseline": {}, "fp8_kv": {"kv_cache_dtype": "fp8_e4m3"}, "fp8_weights": {"quantization": "fp8"}}
 MODES["fp8_both"] = {**MODES["fp8_kv"], **MODES["fp8_weights"]}

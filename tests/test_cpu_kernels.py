@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from runtime.attention.pool import KVPool
 from runtime.attention.torch_backend import TorchAttention
-from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.cpu import build as cpu_kernels
 from runtime.kernels.cpu.build import cpuinfo
 from runtime.models.cpu_linears import SKINNY_ROWS, SkinnyLinear, prepack_linears

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from runtime.engine.batch import AttentionMeta
+from runtime.batch import AttentionMeta
 from tests.conftest import KeptPool
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -367,7 +367,7 @@ def test_float32_on_cuda_runs_torch_attention_or_is_refused():
 def test_an_abandoned_eager_step_stops_after_a_layer_and_a_reset_engine_runs_on(tiny_model):
     """Engine.between_layers runs after each layer of an eager step, and True abandons the step there
     (StepAbandoned); reset as a new epoch resets it, the engine then gives the tokens it would have."""
-    from runtime.engine.batch import StepAbandoned
+    from runtime.batch import StepAbandoned
     from runtime.scheduler.scheduler import Scheduler
 
     prompts = random_prompts(4, range(20, 40), seed=7)

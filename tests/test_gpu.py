@@ -14,7 +14,7 @@ import torch
 from runtime import LLM, SamplingParams
 from runtime.attention import ATTENTION_BACKENDS
 from runtime.attention.pool import KVPool
-from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
+from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 from tests.tiny_models import build
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -8,7 +8,7 @@ from typing import Any, Protocol
 from torch import Tensor
 
 from runtime.attention.pool import KVPool
-from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.rope import Rope
 
 

@@ -11,7 +11,7 @@ from torch import Tensor
 
 from runtime.attention.backend import GraphWrapper
 from runtime.attention.pool import KVPool
-from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.rope import Rope
 
 

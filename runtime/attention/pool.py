@@ -10,7 +10,7 @@ import math
 import torch
 from torch import Tensor
 
-from runtime.engine.batch import ForwardBatch
+from runtime.batch import ForwardBatch
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from runtime.attention.pool import KVPool
-from runtime.engine.batch import AttentionMeta, ForwardBatch
+from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.cpu import build as cpu_kernels
 
 

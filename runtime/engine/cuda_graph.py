@@ -20,7 +20,7 @@ from torch import nn
 
 from runtime.attention.backend import GraphAttention, GraphWrapper
 from runtime.attention.pool import KVPool
-from runtime.engine.batch import AttentionMeta, ForwardBatch, kv_rows
+from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 
 if TYPE_CHECKING:  # a graph memory pool's handle (CUDAGraph.pool()): graphs captured into one share its memory
     from torch.cuda.graphs import _POOL_HANDLE as Pool

@@ -21,9 +21,9 @@ import torch
 
 from runtime.attention import ATTENTION_BACKENDS
 from runtime.attention.pool import KVPool
+from runtime.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
-from runtime.engine.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws

@@ -14,9 +14,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
+from runtime.batch import ForwardBatch, StepAbandoned
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
-from runtime.engine.batch import ForwardBatch, StepAbandoned
 from runtime.kernels.rope import Rope
 from runtime.models.layers import NO_FUSION, FusedOps, OneRowFusion, RMSNorm, norm_then_linear, rope_cos_sin_cache
 from runtime.models.moe import SparseMoe

@@ -1,4 +1,5 @@
-"""A step's shape as attention backends, models and CUDA graphs see it."""
+"""A step's shape as attention backends, models and CUDA graphs see it. It sits above engine/, attention/
+and models/, which all read it, so none of them imports another for it."""
 
 from __future__ import annotations
 
