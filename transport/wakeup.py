@@ -18,14 +18,16 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import DupFd
 
+from transport import env
+
 FIRST_NAP_S = 0.001
 SPIN_US = 50  # longer spins steal more from the busy actors on the host than they save
 
 
 def spin_budget_ns(cores: int | None = None) -> int:
     """Spinning only pays when the peer can run meanwhile: none on one core, SPIN_US with more."""
-    if (override := os.environ.get("RINGLLM_SPIN_US")) is not None:
-        return int(float(override) * 1000)
+    if (override := env.spin_us()) is not None:
+        return int(override * 1000)
     cores = cores if cores is not None else len(os.sched_getaffinity(0))
     return 0 if cores < 2 else SPIN_US * 1000
 

