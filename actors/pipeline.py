@@ -8,42 +8,125 @@ one (runtime.scheduler.router) and every replica's tokens meet at the one detoke
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
 
 from actors.gauges import ApiGauge
-from actors.topology import ActorSpec, Edge, Topology
-from api.chat_output import REASONING_PARSERS, TOOL_CALL_PARSERS
+from actors.topology import DEFAULT_PORT, ActorSpec, Edge, Topology
+from api.chat_output import DEFAULT_TOOL_CALL_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS
+from runtime.cli_args import CliConfig, flag
 from runtime.config import EngineConfig
 from runtime.scheduler.router import POLICIES
+from transport import env
 
 TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto",)  # AutoTokenizer, and torch with it
 
 
+def _prefixes(text: str) -> tuple[str | list[int], ...]:
+    """--warm-prefixes: a JSON list given inline, or the name of a file that holds one."""
+    return tuple(orjson.loads(text if text.lstrip().startswith("[") else Path(text).read_bytes()))
+
+
 @dataclass(frozen=True)
-class ServeConfig:
-    model_dir: str
-    served_model_name: str
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_workers: int = 1
-    max_queued_requests: int = 1024  # beyond running + queued, new requests get a 503 at once
-    request_timeout: float | None = None  # seconds a request may take, queueing included
-    body_timeout: float = 30.0  # seconds a client may take to send a request's body; then a 408, and the connection closes
-    watchdog_timeout: float = 60.0  # an engine step with no progress for this long is a crash
-    stats_interval: float = 10.0  # seconds between a scheduler's stats lines, and an MoE engine's expert-load reports
-    data_parallel_size: int = 1  # replicas, each a scheduler and an engine (group) of its own
-    dp_policy: str = "cache_aware"  # how the tokenizer places requests on replicas (runtime.scheduler.router)
-    warm_spares: bool = True  # a ready tokenizer, scheduler, detokenizer (and engine on CPU) wait, idle, to replace one that dies
-    api_keys: tuple[str, ...] = field(default=(), repr=False)  # any of them opens the API; none: it is open to all
-    tool_call_parser: str = "hermes"  # how the model writes tool calls (api.chat_output)
-    reasoning_parser: str | None = None  # how it sets its reasoning apart: qwen3, deepseek_r1, or none
-    warm_prefixes: tuple[str | list[int], ...] = ()  # pinned in the prefix cache at start-up (--warm-prefixes FILE)
-    # the KV pool held by a keeper actor, outliving its engine (pool_outlives_engine); `ringllm serve` turns it off
-    # on CPU where /dev/shm has no room for it
-    shared_kv_pool: bool = True
+class ServeConfig(CliConfig):
+    """Everything `ringllm serve` runs: its own flags here, the engine's in `engine`. Every actor gets it."""
+
+    model_dir: str = field(metadata=flag("a local Hugging Face folder or a hub id (default: SmolLM2-135M-Instruct)", ("--model",)))
+    served_model_name: str = field(metadata=flag("the name clients pass as 'model' (default: --model)"))
+    host: str = field(default="127.0.0.1", metadata=flag("the address the api workers listen on"))
+    port: int = field(default=DEFAULT_PORT, metadata=flag("the HTTP port; it also names the server's segments (`ringllm status`)"))
+    api_workers: int = field(default=1, metadata=flag("HTTP worker processes sharing the port"))
+    max_queued_requests: int = field(default=1024, metadata=flag("beyond running + queued, new requests get a 503 at once"))
+    request_timeout: float | None = field(default=None, metadata=flag("seconds a request may take, queueing included (default: none)"))
+    body_timeout: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its connection is closed"
+        ),
+    )
+    watchdog_timeout: float = field(
+        default=60.0,
+        metadata=flag(
+            "seconds an engine step may make no progress before the engine is restarted: the watchdog can only restart it sooner "
+            "than --hang-timeout, never later"
+        ),
+    )
+    stats_interval: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds between each scheduler's stats line and, for a mixture-of-experts model, each engine's expert-load report "
+            "(/server_info, ringllm:moe_expert_load_imbalance)"
+        ),
+    )
+    data_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "replicas, each a scheduler and engine(s) with its own KV cache, on --dp x --tp devices "
+            "(scheduler0.., engine0.. or engine0.0.. in `ringllm status`)",
+            ("--dp", "--data-parallel-size"),
+            metavar="N",
+        ),
+    )
+    dp_policy: str = field(
+        default="cache_aware",
+        metadata=flag(
+            "how the tokenizer places requests on replicas: cache_aware (the replica holding the longest prefix, unless it is "
+            "busier than the least loaded by a margin), round_robin, least_load (default: %(default)s)",
+            choices=POLICIES,
+        ),
+    )
+    warm_spares: bool = field(
+        default=True,
+        metadata=flag("keep a set-up tokenizer, scheduler, detokenizer (and CPU engine) asleep to replace one that dies", negatable=True),
+    )
+    api_keys: tuple[str, ...] = field(
+        default=(),
+        repr=False,
+        metadata=flag(
+            "a key clients must send as 'Authorization: Bearer KEY' to every route but /health, /health/live, /metrics and "
+            f"/version (repeat for several; {env.API_KEY} adds one; none: the API is open to all)",
+            ("--api-key",),
+            metavar="KEY",
+        ),
+    )
+    tool_call_parser: str = field(
+        default=DEFAULT_TOOL_CALL_PARSER,
+        metadata=flag(
+            "how the model writes tool calls: hermes and qwen3 <tool_call> tags (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3)",
+            choices=TOOL_CALL_PARSERS,
+        ),
+    )
+    reasoning_parser: str | None = field(
+        default=None,
+        metadata=flag("set <think>...</think> apart as reasoning_content (qwen3, deepseek_r1)", choices=tuple(REASONING_PARSERS)),
+    )
+    warm_prefixes: tuple[str | list[int], ...] = field(
+        default=(),
+        metadata=flag(
+            "a JSON list of prefixes (texts or token-id lists), or a file that holds one, prefilled at start-up and pinned in "
+            "the prefix cache, as POST /warm_prefixes does",
+            metavar="FILE",
+            parse=_prefixes,
+            show=lambda prefixes: orjson.dumps(prefixes).decode(),
+        ),
+    )
+    # `ringllm serve` turns it off on CPU where /dev/shm has no room for the pool
+    shared_kv_pool: bool = field(
+        default=True,
+        metadata=flag("hold each KV pool in a keeper process, so that an engine's restart keeps it (pool_outlives_engine)", negatable=True),
+    )
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        if self.api_workers < 1:
+            raise ValueError(f"api_workers must be at least 1, not {self.api_workers}")
+        if not self.body_timeout > 0:
+            raise ValueError(f"body_timeout must be more than 0 seconds, not {self.body_timeout}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, not {self.data_parallel_size}")
         if not self.stats_interval > 0:
@@ -58,6 +141,27 @@ class ServeConfig:
             raise ValueError("standby_engine needs a GPU, one rank, warm spares and a kept KV pool (a CPU engine has a spare anyway)")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **given: Any) -> ServeConfig:
+        """As every config's, and what a flag alone cannot say: --model resolved to a folder (a hub id fetched once,
+        after the engine's flags are checked, so a refused size costs no download), the served name --model's
+        unless given, and RINGLLM_API_KEY's key beside those of --api-key."""
+        from runtime.models.source import NAME, resolve_model_dir
+
+        engine = EngineConfig.from_cli_args(args)
+        resolved = {
+            "engine": engine,
+            "model_dir": str(resolve_model_dir(args.model_dir)),
+            "served_model_name": args.served_model_name or args.model_dir or NAME,
+            "api_keys": tuple(args.api_keys or ()) + ((key,) if (key := env.api_key()) else ()),
+        }
+        return super().from_cli_args(args, **(resolved | given))
+
+    def record(self) -> dict[str, Any]:
+        """Every setting as the server runs it, the engine's nested, for /server_info and so for a benchmark's
+        record; the API keys are shown as redacted."""
+        return dataclasses.asdict(self) | {"api_keys": ["<redacted>"] * len(self.api_keys)}
 
 
 def api_worker_names(config: ServeConfig) -> list[str]:

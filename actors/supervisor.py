@@ -19,7 +19,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
 
 import structlog
@@ -27,7 +27,8 @@ import structlog
 from actors.base import ActorContext, Standby, actor_main
 from actors.control import SPARE_STARTING, ActorState, ControlBlock, pid_alive
 from actors.gauges import PROGRESS_GAUGE
-from actors.topology import Topology
+from actors.topology import DEFAULT_PORT, Topology
+from runtime.cli_args import CliConfig, flag
 from runtime.obs.logs import configure_logging
 from runtime.obs.metrics import metrics, prepare_dir
 from transport.ring import Ring
@@ -50,17 +51,37 @@ class Spare:
 
 
 @dataclass(frozen=True)
-class SupervisorConfig:
-    hang_timeout_s: float = 30.0  # a ready actor whose heartbeat is older than this is killed
-    ready_timeout_s: float = 600.0  # start-up may load weights
-    stop_timeout_s: float = 5.0  # after a stop request, stragglers are killed
-    shutdown_timeout_s: float = 30.0  # on SIGTERM, how long in-flight requests may take to finish
-    check_interval_s: float = 0.25
-    max_backoff_s: float = 5.0  # for an actor that keeps dying before it is ready
+class SupervisorConfig(CliConfig):
+    """How the supervisor watches and restarts; every field a flag of `ringllm serve` and of this module's entry."""
+
+    hang_timeout_s: float = field(
+        default=30.0,
+        metadata=flag(
+            "seconds without a heartbeat before an actor is restarted; the engine too, whatever its watchdog", ("--hang-timeout",)
+        ),
+    )
+    ready_timeout_s: float = field(
+        default=600.0, metadata=flag("seconds an actor may take to start (it may load weights)", ("--ready-timeout",))
+    )
+    stop_timeout_s: float = field(
+        default=5.0, metadata=flag("seconds a stop waits for stragglers before it kills them", ("--stop-timeout",))
+    )
+    shutdown_timeout_s: float = field(
+        default=30.0, metadata=flag("on SIGTERM, seconds in-flight requests may take", ("--shutdown-timeout",))
+    )
+    check_interval_s: float = field(
+        default=0.25, metadata=flag("seconds between the supervisor's looks at the heartbeats", ("--check-interval",))
+    )
+    max_backoff_s: float = field(
+        default=5.0,
+        metadata=flag("the longest wait, in seconds, before restarting an actor that keeps dying before it is ready", ("--max-backoff",)),
+    )
     # a warm spare's set-up competes for the cores: the first spares start once a new server has settled (its
     # first requests, a benchmark's warm-up), a replacement once the replay after a promotion is done
-    spare_settle_s: float = 5.0
-    spare_delay_s: float = 5.0
+    spare_settle_s: float = field(default=5.0, metadata=flag("seconds from start-up to the first warm spares", ("--spare-settle",)))
+    spare_delay_s: float = field(
+        default=5.0, metadata=flag("seconds from a spare's promotion to its successor's start", ("--spare-delay",))
+    )
 
     @property
     def heartbeat_s(self) -> float:
@@ -423,17 +444,12 @@ def load_topology(path: str, server: str) -> Topology:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m actors.supervisor", description="Run a declared topology.")
     parser.add_argument("topology", help="module:function that returns a Topology for a port")
-    parser.add_argument("--port", type=int, default=8000, help="names the server's segments")
-    parser.add_argument("--hang-timeout", type=float, default=SupervisorConfig.hang_timeout_s)
-    parser.add_argument("--spare-settle", type=float, default=SupervisorConfig.spare_settle_s, help="seconds before the first spares")
-    parser.add_argument("--spare-delay", type=float, default=SupervisorConfig.spare_delay_s, help="seconds before a spare's successor")
-    parser.add_argument("--stop-timeout", type=float, default=SupervisorConfig.stop_timeout_s, help="seconds a stop waits for stragglers")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="names the server's segments")
+    SupervisorConfig.add_cli_args(parser)
     args = parser.parse_args(argv)
     configure_logging("supervisor")
     topology = load_topology(args.topology, str(args.port))
-    config = SupervisorConfig(
-        hang_timeout_s=args.hang_timeout, spare_settle_s=args.spare_settle, spare_delay_s=args.spare_delay, stop_timeout_s=args.stop_timeout
-    )
+    config = SupervisorConfig.from_cli_args(args)
     return Supervisor(topology, config).run()
 
 

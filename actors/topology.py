@@ -8,6 +8,8 @@ from typing import Any
 
 from transport.segment import server_prefix
 
+DEFAULT_PORT = 8000  # a server's HTTP port, which also names its segments, unless --port says otherwise
+
 
 @dataclass(frozen=True)
 class ActorSpec:

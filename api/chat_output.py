@@ -16,6 +16,7 @@ THINK, END_THINK = "<think>", "</think>"
 # deepseek_r1: the template opens the block, so the output is thinking until </think>
 REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}
 TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
+DEFAULT_TOOL_CALL_PARSER = "hermes"  # unless --tool-call-parser says otherwise
 # hermes and qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>; llama3_json: {"name": ..., "parameters": {...}}
 JSON = json.JSONDecoder()
 CALL_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3": ("<tool_call>", "</tool_call>"), "llama3_json": ('{"name"', None)}

@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from api.chat_output import DEFAULT_TOOL_CALL_PARSER
 from api.errors import ApiError
 from api.guides import Guide, Tools, guide_of, tool_guide, tools_of
 from runtime.text.prompt_length import text_bytes
@@ -44,7 +45,7 @@ class Limits:
     vocab_size: int
     max_token_bytes: int  # the longest token's UTF-8 bytes (0: not known yet)
     priorities: bool = False  # the priority schedule policy: requests may carry a 'priority'
-    tool_call_parser: str = "hermes"  # how tool calls are written (api.chat_output), and forced ones held to it
+    tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how tool calls are written (api.chat_output), and forced ones held to it
     reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.chat_output)
 
     @property

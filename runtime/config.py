@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import structlog
+
+from runtime.cli_args import CliConfig, flag
 
 log = structlog.get_logger()
 
@@ -156,37 +158,95 @@ FLOAT32_NAMES = ("float32", "fp32")
 SCHEDULE_POLICIES = ("fcfs", "priority")
 
 
+def _by_device(name: str) -> str:
+    """The help text's note on a default that depends on the device."""
+    return f"default: {device_defaults('cuda')[name]} on CUDA, {device_defaults('cpu')[name]} on CPU"
+
+
 @dataclass(frozen=True)
-class EngineConfig:
-    page_size: int = 16
-    num_pages: int | None = None  # None: sized from mem_fraction on CUDA, DEFAULT_KV_TOKENS tokens on CPU
-    mem_fraction: float = 0.85  # CUDA: the share of device memory for weights and the KV pool
-    cuda_graph_max_bs: int = 256  # decode batches up to this size replay CUDA graphs; 0: off
-    cuda_graph_max_prefill_tokens: int = 3072  # likewise for prefill steps of up to this many tokens
-    max_prefill_tokens: int | None = None
-    # False (SGLang's default): prefill steps carry no decodes; True: decodes ride along (steadier ITL)
-    mixed_chunk: bool = False
-    max_running_requests: int = 256
-    enable_prefix_cache: bool = True
-    schedule_policy: str = "fcfs"  # or "priority": the waiting queue by (priority, arrival), preemption of the last first
-    dtype: str = "auto"  # auto: bf16 on CUDA and on CPUs with AMX bf16 tiles, else fp32
-    device: str = "cpu"
-    dummy_weights: bool = False
-    attention_backend: str | None = None
-    seed: int = 0  # seeds the per-request seeds of requests that bring none
-    steps_in_flight: int | None = None  # steps planned ahead of their results (1: no overlap); None: by device
-    tensor_parallel_size: int = 1  # engine processes sharing each step, one device each
-    # CUDA: all-reduces up to ONE_SHOT_MAX_BYTES by torch's symmetric-memory one-shot kernel instead of NCCL
-    # (off: measured in the engine, NCCL was as fast; README, Tensor parallelism)
-    custom_all_reduce: bool = False
-    kv_cache_dtype: str = "auto"  # auto: the model's dtype; fp8_e4m3 (or fp8): float8 pages, a scale per layer
-    quantization: str | None = None  # fp8: a bf16/fp32 checkpoint's projections quantized per output channel at load
-    # CUDA: a standby engine (a warm spare over the kept KV pool) runs beside the live one: the pool leaves room for
-    # its own copy of the weights and its graphs
-    standby_engine: bool = False
-    # every row's values independent of what else shares its step (batch-invariant GEMMs and attention), so a
-    # request's tokens and logprobs repeat exactly whatever the load: SGLang's --enable-deterministic-inference
-    deterministic: bool = False
+class EngineConfig(CliConfig):
+    """The scheduler's and the engine's settings: `ringllm serve`'s engine flags, `LLM`'s keyword arguments."""
+
+    page_size: int = field(default=16, metadata=flag("tokens per KV cache page"))
+    num_pages: int | None = field(
+        default=None,
+        metadata=flag(f"KV pool size in pages (default: what --mem-fraction leaves on CUDA, {DEFAULT_KV_TOKENS} tokens on CPU)"),
+    )
+    mem_fraction: float = field(default=0.85, metadata=flag("CUDA: share of device memory for weights and KV cache"))
+    cuda_graph_max_bs: int = field(default=256, metadata=flag("CUDA: largest decode batch replayed as a graph; 0: off"))
+    cuda_graph_max_prefill_tokens: int = field(
+        default=3072, metadata=flag("CUDA: largest step with prefill chunks replayed as a graph (up to 7 sequences); 0: off")
+    )
+    max_prefill_tokens: int | None = field(
+        default=None, metadata=flag(f"the prefill chunk budget of one step ({_by_device('max_prefill_tokens')})")
+    )
+    mixed_chunk: bool = field(
+        default=False,
+        metadata=flag("run decodes inside steps with prefill chunks (default: prefill first, as SGLang does)", ("--enable-mixed-chunk",)),
+    )
+    max_running_requests: int = field(default=256, metadata=flag("requests decoding at once; more wait in the queue"))
+    enable_prefix_cache: bool = field(
+        default=True, metadata=flag("no radix-tree prefix cache: every prompt is prefilled whole", inverse="--disable-prefix-cache")
+    )
+    schedule_policy: str = field(
+        default="fcfs",
+        metadata=flag(
+            "priority: requests carry a 'priority' (lower first, as vLLM); the queue and preemption follow it", choices=SCHEDULE_POLICIES
+        ),
+    )
+    dtype: str = field(
+        default="auto",
+        metadata=flag("auto, float32, bfloat16 or float16 (auto: bfloat16 on CUDA and on CPUs with AMX bf16 tiles, else float32)"),
+    )
+    device: str = field(default="cpu", metadata=flag("cpu, cuda or cuda:N"))
+    dummy_weights: bool = field(default=False, metadata=flag("random weights of the config's shape"))
+    attention_backend: str | None = field(default=None, metadata=flag(_by_device("attention_backend"), choices=ATTENTION_BACKEND_NAMES))
+    seed: int = field(default=0, metadata=flag("seeds the per-request seeds of requests that bring none"))
+    steps_in_flight: int | None = field(
+        default=None, metadata=flag(f"steps planned ahead of their results ({_by_device('steps_in_flight')}; 1: no overlap)")
+    )
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=flag(
+            "engine processes that split the model, one device each (engine0..engineN-1 in `ringllm status`)",
+            ("--tp", "--tensor-parallel-size"),
+            metavar="N",
+        ),
+    )
+    # off by default: measured in the engine, NCCL was as fast (README, Tensor parallelism)
+    custom_all_reduce: bool = field(
+        default=False,
+        metadata=flag("CUDA, --tp > 1: all-reduces of up to 4 MiB through torch's symmetric-memory one-shot kernel instead of NCCL"),
+    )
+    kv_cache_dtype: str = field(
+        default="auto",
+        metadata=flag(
+            "auto: the model's dtype; fp8_e4m3 (fp8): float8 pages with a scale per layer, twice the tokens of bf16",
+            choices=KV_CACHE_DTYPES,
+        ),
+    )
+    quantization: str | None = field(
+        default=None,
+        metadata=flag(
+            "fp8: quantize a bf16/fp32 checkpoint's projections per output channel at load (an FP8 checkpoint needs no flag)",
+            choices=("fp8",),
+        ),
+    )
+    # the pool leaves room for the standby's own copy of the weights and its graphs
+    standby_engine: bool = field(
+        default=False,
+        metadata=flag(
+            "CUDA: a second engine process, set up over the kept KV pool with its own weights, takes over at once when the engine dies"
+        ),
+    )
+    # batch-invariant GEMMs and attention, as SGLang's flag of the same name
+    deterministic: bool = field(
+        default=False,
+        metadata=flag(
+            "batch-invariant kernels: a request's output does not depend on what runs beside it (dense models; Hopper GPUs, fp32 CPUs)",
+            ("--enable-deterministic-inference",),
+        ),
+    )
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""

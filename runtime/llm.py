@@ -12,8 +12,9 @@ import tempfile
 import weakref
 from collections import deque
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 from runtime.config import EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel, check_parallel, rank_device
@@ -79,9 +80,11 @@ class _Ranks:
 
 
 class LLM:
-    def __init__(self, model_path: str | Path | None = None, **options) -> None:
+    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, **options: Any) -> None:
+        """`config` as `ringllm serve` builds it (EngineConfig.from_cli_args), or EngineConfig's fields as keyword
+        arguments; given both, the keywords change those fields of `config`."""
         self.model_dir = resolve_model_dir(None if model_path is None else str(model_path))
-        self.config = EngineConfig(**options)
+        self.config = EngineConfig(**options) if config is None else replace(config, **options)
         check_parallel(ModelConfig.load(self.model_dir), self.config)
         tp, device = SINGLE, rank_device(self.config.device, 0)
         if self.config.tensor_parallel_size > 1:

@@ -1,0 +1,124 @@
+"""One flag, one place: every field of EngineConfig, ServeConfig and SupervisorConfig set to a value other
+than its default comes back equal through its flags and the real `ringllm serve` parser; `LLM` runs the
+EngineConfig that `ringllm serve` builds from the same flags."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from actors.cli import build_parser
+from actors.pipeline import ServeConfig
+from actors.supervisor import SupervisorConfig
+from runtime import LLM
+from runtime.cli_args import CliConfig
+from runtime.config import EngineConfig
+
+ENGINE = {
+    "page_size": 32,
+    "num_pages": 100,
+    "mem_fraction": 0.5,
+    "cuda_graph_max_bs": 8,
+    "cuda_graph_max_prefill_tokens": 64,
+    "max_prefill_tokens": 128,
+    "mixed_chunk": True,
+    "max_running_requests": 7,
+    "enable_prefix_cache": False,
+    "schedule_policy": "priority",
+    "dtype": "bfloat16",
+    "device": "cuda:1",
+    "dummy_weights": True,
+    "attention_backend": "torch",
+    "seed": 7,
+    "steps_in_flight": 1,
+    "tensor_parallel_size": 2,
+    "custom_all_reduce": True,
+    "kv_cache_dtype": "fp8_e4m3",
+    "quantization": "fp8",
+}
+# deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool
+ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "kv_cache_dtype": "auto", "tensor_parallel_size": 1}
+SERVE = {
+    "served_model_name": "served",
+    "host": "0.0.0.0",
+    "port": 9123,
+    "api_workers": 3,
+    "max_queued_requests": 5,
+    "request_timeout": 12.5,
+    "body_timeout": 4.0,
+    "watchdog_timeout": 9.0,
+    "stats_interval": 2.5,
+    "data_parallel_size": 2,
+    "dp_policy": "round_robin",
+    "api_keys": ("key-one", "key-two"),
+    "tool_call_parser": "llama3_json",
+    "reasoning_parser": "qwen3",
+    "warm_prefixes": ("a system prompt", [1, 2, 3]),
+    "warm_spares": False,
+    "shared_kv_pool": False,
+}
+
+
+def configs(model_dir: Path) -> list[ServeConfig]:
+    """Two servers that between them set every field of ServeConfig and EngineConfig to a value not its default."""
+    return [
+        ServeConfig(model_dir=str(model_dir), **SERVE, engine=EngineConfig(**ENGINE)),
+        ServeConfig(
+            model_dir=str(model_dir), **{**SERVE, "warm_spares": True, "shared_kv_pool": True}, engine=EngineConfig(**ENGINE | ALONE)
+        ),
+    ]
+
+
+def serve_args(flags: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *flags])
+
+
+def test_every_field_has_a_value_other_than_its_default_in_the_cases(tmp_path):
+    """A field added to a config without a case here fails this test: it would go untested by the round trips."""
+    servers = configs(tmp_path)
+    for cls, instances in ((ServeConfig, servers), (EngineConfig, [s.engine for s in servers])):
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                assert any(getattr(c, f.name) != f.default for c in instances), f"{cls.__name__}.{f.name} is never set"
+
+
+def test_every_serve_flag_reaches_its_config_through_ringllm_serve(tmp_path, monkeypatch):
+    monkeypatch.delenv("RINGLLM_API_KEY", raising=False)
+    supervisor = SupervisorConfig(**{f.name: f.default * 2 + 1 for f in dataclasses.fields(SupervisorConfig)})
+    for config in configs(tmp_path):
+        args = serve_args([*config.to_cli_args(), *supervisor.to_cli_args()])
+        assert ServeConfig.from_cli_args(args) == config
+        assert SupervisorConfig.from_cli_args(args) == supervisor
+
+
+def test_serve_adds_the_environments_api_key_and_resolves_the_served_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("RINGLLM_API_KEY", "from-env")
+    config = ServeConfig.from_cli_args(serve_args(["--model", str(tmp_path), "--api-key", "from-flag"]))
+    assert config.api_keys == ("from-flag", "from-env") and config.served_model_name == str(tmp_path)
+    assert "from-" not in str(config.record()) and config.record()["api_keys"] == ["<redacted>"] * 2
+
+
+def test_warm_prefixes_come_from_a_file_or_inline(tmp_path):
+    (tmp_path / "prefixes.json").write_text('["a", [4, 5]]')
+    for given in (str(tmp_path / "prefixes.json"), '["a", [4, 5]]'):
+        assert ServeConfig.from_cli_args(serve_args(["--model", str(tmp_path), "--warm-prefixes", given])).warm_prefixes == ("a", [4, 5])
+
+
+def test_llm_runs_the_config_serve_builds(tiny_model):
+    flags = ["--dtype=float32", "--page-size=8", "--num-pages=64", "--seed=3", "--enable-mixed-chunk", "--disable-prefix-cache"]
+    config = EngineConfig.from_cli_args(serve_args(flags))
+    llm = LLM(tiny_model("llama"), config, max_running_requests=5)
+    assert llm.config == dataclasses.replace(config, max_running_requests=5)
+
+
+def test_a_field_without_a_flag_is_refused():
+    @dataclass(frozen=True)
+    class Unflagged(CliConfig):
+        size: int = field(default=1)
+
+    with pytest.raises(TypeError, match="Unflagged.size declares no flag"):
+        Unflagged.add_cli_args(argparse.ArgumentParser())
