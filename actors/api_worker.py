@@ -71,6 +71,7 @@ class ApiWorker(Actor):
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
         self.deterministic = serve.engine.deterministic
+        self.config = serve.record()  # what /server_info reports, so a benchmark records what ran
         self.priorities = serve.engine.schedule_policy == "priority"
         self.tool_call_parser, self.reasoning_parser = serve.tool_call_parser, serve.reasoning_parser
         self._tokenizer_slot = self.control.index("tokenizer")
@@ -312,7 +313,7 @@ class ApiWorker(Actor):
     def server_info(self) -> dict:
         """The KV cache's dtype and tokens, whether inference is deterministic; the schedulers' gauges: each
         replica's, and their sums under "scheduler"; for a mixture-of-experts model, each replica's latest
-        interval of routing counts under "moe"."""
+        interval of routing counts under "moe"; under "config", every setting the server runs with."""
         replicas = []
         for name in self.schedulers:
             gauges = self.control.slots[self.control.index(name)]["gauges"]
@@ -326,6 +327,7 @@ class ApiWorker(Actor):
             "kv_tokens": sum(replica["total_pages"] for replica in replicas) * self.page_size,  # 0 until the engines report
             "scheduler": {key: sum(replica[key] for replica in replicas) for key in replicas[0]},
             "replicas": replicas,
+            "config": self.config,
         }
         if self.moe:
             info["moe"] = expert_load.read(len(self.schedulers))

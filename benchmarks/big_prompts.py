@@ -26,7 +26,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import API_WORKERS, free_port, sse_events, start_server, stop_server, wait_healthy
 
 SHORT = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": True}
 
@@ -121,7 +121,7 @@ def _tree() -> str | None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.big_prompts", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct")
-    parser.add_argument("--api-workers", type=int, default=2)
+    parser.add_argument("--api-workers", type=int, default=API_WORKERS)
     parser.add_argument("--samples", type=int, default=40, help="short requests timed in each phase")
     parser.add_argument("--attackers", type=int, default=4, help="clients sending huge prompts")
     parser.add_argument(

@@ -10,9 +10,10 @@ every stream with the reference. The last line printed is one JSON object:
     replays{kind: kills that started a new epoch, where every stream in flight is recomputed},
     recovery_ms_p50, recovery_ms_max, longest_pause_ms{kind: the longest a stream in flight waited across a kill},
     recovery_ms{kind: [p50, max]}, leaked_pages (-1: requests still running after the load),
-    leaked_segments, orphans, with --guided invalid_json (constrained streams that do not open
-    with an object of GUIDE_SCHEMA), and with --control control_mismatched (the streams a second
-    fault-free load changes: on a GPU in bf16 batches form by arrival time and round by their size)
+    leaked_segments, orphans, server_config (the settings the server reports), with --guided
+    invalid_json (constrained streams that do not open with an object of GUIDE_SCHEMA), and with
+    --control control_mismatched (the streams a second fault-free load changes: on a GPU in bf16
+    batches form by arrival time and round by their size)
 
 recovery_ms runs from a kill to the next token of a stream that was in flight at the kill.
 
@@ -45,7 +46,7 @@ import orjson
 import psutil
 
 from actors.control import SPARE_STARTING, ControlBlock
-from benchmarks.server import ServerExited, free_port, sse_events, start_server, wait_healthy
+from benchmarks.server import API_WORKERS, ServerExited, free_port, server_config, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
@@ -320,6 +321,7 @@ async def run(args: argparse.Namespace) -> dict:
                 await wait_healthy(http, 300, server.proc)
             except ServerExited as exc:
                 raise SystemExit(f"{exc}; its log ({server.log}) ends:\n{server.last_errors()}") from None
+            summary["server_config"] = await server_config(http)
             bodies = _bodies(args.requests, args.max_tokens, guided=args.guided)
             reference = await _load(http, bodies)
             if failed := [s.error for s in reference if s.error or s.finish is None]:
@@ -400,7 +402,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--signal", choices=["kill", "stop"], default="kill", help="SIGKILL, or SIGSTOP (a hang)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=48)
-    parser.add_argument("--api-workers", type=int, default=2)
+    parser.add_argument("--api-workers", type=int, default=API_WORKERS)
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--control", action="store_true", help="one more fault-free load first: control_mismatched, its changed streams")

@@ -10,9 +10,12 @@ its figure the median. Throughput is output tokens over wall time.
 By default the requests go through the whole serving pipeline: a `ringllm serve` with
 --dummy-weights, fed over HTTP (/v1/completions with token-id prompts, all at once).
 `--in-process` drives the scheduler and engine directly instead, so the pipeline's cost is the
-ratio of the two. Results are appended to --out as
+ratio of the two. The engine flags are `ringllm serve`'s own (EngineConfig's), passed on as one
+config. Results are appended to --out as
 {"runs": [{"model", "mode", "workload", "tok_per_s", "command", "startup_s", "date", ...}]}, where
-startup_s is the wait from launch until the server answers /health (or the `LLM` is built).
+startup_s is the wait from launch until the server answers /health (or the `LLM` is built). Each
+run holds every engine setting as the engine ran it: the server's own report (GET /server_info,
+its serving settings under "serve"), or the `LLM`'s config; never this command's arguments.
 
     ringllm bench offline --model benchmarks/models/qwen3-0.6b --single [--in-process]
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import datetime
 import importlib
 import random
@@ -33,9 +37,8 @@ from pathlib import Path
 import orjson
 
 from actors.pipeline import ServeConfig
-from benchmarks.server import free_port, start_server, stop_server, wait_healthy
-from runtime.config import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPES, EngineConfig
-from runtime.scheduler.router import POLICIES
+from benchmarks.server import API_WORKERS, free_port, server_config, start_server, stop_server, wait_healthy
+from runtime.config import EngineConfig
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
 WARMUP = 16
@@ -44,6 +47,7 @@ MINI_SGLANG_VOCAB = 151_643  # Qwen3's tokenizer.vocab_size, the range of mini-s
 SINGLE_PROMPT = 886  # ids of the --single request's prompt (the first prompt's first): the length of all earlier figures
 SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three such windows, each from a server of its
 # own, gave 991, 1,110 and 1,074 tok/s (Qwen3-0.6B through the pipeline, benchmarks/results/h200-probe-session14.log)
+SERVE_FLAGS = ("api_workers", "data_parallel_size", "dp_policy")  # the serving settings a pipeline run takes
 
 
 def workload(
@@ -70,34 +74,15 @@ def versions() -> dict[str, str]:
     return found
 
 
-def engine_options(args: argparse.Namespace) -> dict:
-    return {
-        "device": args.device,
-        "attention_backend": args.attention_backend,
-        "page_size": args.page_size,
-        "max_running_requests": args.max_running_requests,
-        "max_prefill_tokens": args.max_prefill_tokens,
-        "cuda_graph_max_bs": args.cuda_graph_max_bs,
-        "cuda_graph_max_prefill_tokens": args.cuda_graph_max_prefill_tokens,
-        "mem_fraction": args.mem_fraction,
-        "mixed_chunk": args.enable_mixed_chunk,
-        "tensor_parallel_size": args.tensor_parallel_size,
-        "custom_all_reduce": args.custom_all_reduce,
-        "kv_cache_dtype": args.kv_cache_dtype,
-        "quantization": args.quantization,
-        "deterministic": args.enable_deterministic_inference,
-    }
-
-
 def run_in_process(
-    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
-) -> tuple[dict[str, list[float]], float]:
+    model: str, engine: EngineConfig, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+) -> tuple[dict[str, list[float]], float, dict]:
     import torch
 
     from runtime import LLM, SamplingParams
 
     launched = time.perf_counter()
-    llm = LLM(args.model, dummy_weights=True, **engine_options(args))
+    llm = LLM(model, engine)
     startup_s = time.perf_counter() - launched
 
     def timed(batch: list[list[int]], params: list[SamplingParams]) -> float:
@@ -113,14 +98,14 @@ def run_in_process(
     timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
     params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
     figures = {"offline": []}
-    for _ in range(args.rounds):
+    for _ in range(rounds):
         llm.flush_cache()
         figures["offline"].append(timed(prompts, params))
     if single:
         figures["single"] = [
             timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)]) for _ in range(SINGLE_REPEATS)
         ]
-    return figures, startup_s
+    return figures, startup_s, {"engine": dataclasses.asdict(llm.config)}
 
 
 async def _drive(
@@ -131,16 +116,18 @@ async def _drive(
     prompts: list[list[int]],
     lengths: list[int],
     single: list[int] | None,
-) -> tuple[dict[str, list[float]], float]:
+) -> tuple[dict[str, list[float]], float, dict]:
     """The timed rounds measure the server, not this client: bodies are JSON-encoded beforehand, and
     the warm-up opens as many connections as the offline round uses. (Built inside the round, 256
     requests reached the server over 210 ms on the H200, while the in-process engine had
-    prefilled half of them.)"""
+    prefilled half of them.) Also returns the configuration the server reports."""
     import aiohttp
 
     async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)) as http:
         await wait_healthy(http, 900, server)  # start-up loads weights and captures CUDA graphs
         startup_s = time.perf_counter() - launched
+        if (config := await server_config(http)) is None:
+            raise RuntimeError("the server reports no configuration (GET /server_info)")
 
         def body(ids: list[int], max_tokens: int, temperature: float, seed: int) -> bytes:
             return orjson.dumps(
@@ -168,42 +155,23 @@ async def _drive(
             figures["offline"].append(await timed([body(p, n, 0.6, i) for i, (p, n) in enumerate(zip(prompts, lengths))]))
         if single:
             figures["single"] = [await timed([body(single, 512, 0.0, 0)]) for _ in range(SINGLE_REPEATS)]
-        return figures, startup_s
+        return figures, startup_s, config
 
 
 def run_pipeline(
-    args: argparse.Namespace, prompts: list[list[int]], lengths: list[int], single: list[int] | None
-) -> tuple[dict[str, list[float]], float]:
-    port = free_port()
-    options = engine_options(args)
+    serve: ServeConfig, rounds: int, prompts: list[list[int]], lengths: list[int], single: list[int] | None
+) -> tuple[dict[str, list[float]], float, dict]:
     launched = time.perf_counter()
-    server = start_server(
-        [
-            "--model",
-            str(args.model),
-            "--served-model-name",
-            "bench",
-            "--dummy-weights",
-            "--no-warm-spares",  # their one-off set-up would compete with the timed rounds for the cores
-            "--port",
-            str(port),
-            "--api-workers",
-            str(args.api_workers),
-            f"--dp={args.data_parallel_size}",
-            f"--dp-policy={args.dp_policy}",
-            *(f"--{key.replace('_', '-')}={value}" for key, value in options.items() if value is not None and not isinstance(value, bool)),
-            *(["--enable-mixed-chunk"] if options["mixed_chunk"] else []),
-            *(["--custom-all-reduce"] if options["custom_all_reduce"] else []),
-        ]
-    )
+    server = start_server(serve.to_cli_args())
     try:
-        return asyncio.run(_drive(server, launched, f"http://127.0.0.1:{port}", args.rounds, prompts, lengths, single))
+        return asyncio.run(_drive(server, launched, f"http://127.0.0.1:{serve.port}", rounds, prompts, lengths, single))
     finally:
         stop_server(server)
 
 
-def main(argv: list[str] | None = None) -> None:
-    cuda = _cuda_available()
+def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig, ServeConfig | None]:
+    """The benchmark's own flags, `ringllm serve`'s engine flags (EngineConfig's, random weights by default) and
+    the serving settings of SERVE_FLAGS; the engine's config, and the server's for a pipeline run (None in-process)."""
     parser = argparse.ArgumentParser(prog="ringllm bench offline", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="a folder with config.json and a tokenizer (weights are random)")
     parser.add_argument("--in-process", action="store_true", help="drive the engine directly, without the actor pipeline")
@@ -212,48 +180,44 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rounds", type=int, default=OFFLINE_ROUNDS, help="timed runs of the workload; the figure is the best")
     parser.add_argument("--input-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
     parser.add_argument("--output-len", type=int, nargs=2, default=(100, 1024), metavar=("MIN", "MAX"))
-    parser.add_argument("--device", default="cuda" if cuda else "cpu")
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKEND_NAMES, help="default: the device's")
-    parser.add_argument("--page-size", type=int, default=EngineConfig.page_size)
-    parser.add_argument("--max-running-requests", type=int, default=EngineConfig.max_running_requests)
-    parser.add_argument("--max-prefill-tokens", type=int, help="default: the device's")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=EngineConfig.cuda_graph_max_bs)
-    parser.add_argument("--cuda-graph-max-prefill-tokens", type=int, default=EngineConfig.cuda_graph_max_prefill_tokens)
-    parser.add_argument("--enable-mixed-chunk", action="store_true")
-    parser.add_argument("--mem-fraction", type=float, default=EngineConfig.mem_fraction)
-    parser.add_argument("--api-workers", type=int, default=2)
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tensor_parallel_size", type=int, default=EngineConfig.tensor_parallel_size)
-    parser.add_argument("--custom-all-reduce", action="store_true")
-    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=EngineConfig.kv_cache_dtype)
-    parser.add_argument("--quantization", choices=["fp8"], help="per-row FP8 projections of a bf16 checkpoint")
-    parser.add_argument("--enable-deterministic-inference", action="store_true", help="batch-invariant kernels (ringllm serve's flag)")
-    parser.add_argument(
-        "--dp",
-        "--data-parallel-size",
-        dest="data_parallel_size",
-        type=int,
-        default=ServeConfig.data_parallel_size,
-        help="replicas (pipeline only)",
-    )
-    parser.add_argument("--dp-policy", choices=POLICIES, default=ServeConfig.dp_policy)
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    EngineConfig.add_cli_args(parser)
+    ServeConfig.add_cli_args(parser, only=SERVE_FLAGS)
+    parser.set_defaults(device="cuda" if _cuda_available() else "cpu", dummy_weights=True, api_workers=API_WORKERS)
     args = parser.parse_args(argv)
     if args.rounds < 1:
         parser.error("--rounds must be at least 1")
     if args.in_process and args.data_parallel_size > 1:
         parser.error("--dp needs the pipeline: replicas are placed by its tokenizer")
+    try:
+        engine = EngineConfig.from_cli_args(args)
+        return args, engine, None if args.in_process else _server(args, engine)
+    except ValueError as exc:
+        parser.error(str(exc))
 
+
+def _server(args: argparse.Namespace, engine: EngineConfig) -> ServeConfig:
+    """The server a pipeline run starts: on a free port, without warm spares (their one-off set-up would
+    compete with the timed rounds for the cores)."""
+    serving = {name: getattr(args, name) for name in SERVE_FLAGS}
+    return ServeConfig(model_dir=args.model, served_model_name="bench", port=free_port(), warm_spares=False, engine=engine, **serving)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, engine, serve = parse_args(argv)
     prompts, lengths = workload(args.requests, tuple(args.input_len), tuple(args.output_len))
     mode = "in-process" if args.in_process else "pipeline"
     single = prompts[0][:SINGLE_PROMPT] if args.single else None
     sizes = {"offline": {"prompt_tokens": sum(map(len, prompts)), "output_tokens": sum(lengths)}}  # tell samples apart
     if single:
         sizes["single"] = {"prompt_tokens": len(single), "output_tokens": 512}
-    figures, startup_s = (run_in_process if args.in_process else run_pipeline)(args, prompts, lengths, single)
+    if serve is None:
+        figures, startup_s, ran = run_in_process(args.model, engine, args.rounds, prompts, lengths, single)
+    else:
+        figures, startup_s, ran = run_pipeline(serve, args.rounds, prompts, lengths, single)
+    engine_ran = ran.pop("engine")
     command = " ".join(["ringllm bench offline", *(sys.argv[1:] if argv is None else argv)])
     figure = {"offline": max, "single": statistics.median}
-    config = EngineConfig(**engine_options(args))  # the device's defaults filled in, as the runs used them
-    resolved = {key: getattr(config, key) for key in engine_options(args)}
     runs = [
         {
             "model": Path(args.model).name,
@@ -265,9 +229,9 @@ def main(argv: list[str] | None = None) -> None:
             "command": command,
             "startup_s": round(startup_s, 1),
             "date": datetime.date.today().isoformat(),
-            **resolved,
-            **({"data_parallel_size": args.data_parallel_size, "dp_policy": args.dp_policy} if mode == "pipeline" else {}),
-            "gpu": _device_name(args.device),
+            **engine_ran,
+            **({"serve": ran} if ran else {}),
+            "gpu": _device_name(engine_ran["device"]),
             "versions": versions(),
         }
         for name, values in figures.items()

@@ -9,7 +9,8 @@ where it reports them, else the tokenizer's count of the prompt and the number o
 summary is vLLM's block, and --save-result writes vLLM's JSON keys, so its tooling reads the file.
 When the server has a Prometheus /metrics, the block adds what it counted over the run (finished
 requests, generated tokens, mean TTFT), so the server's own figures can be checked against the
-client's.
+client's; when it reports its configuration (a ringllm server's GET /server_info), the result
+holds it as "server_config", so a figure names the settings that made it.
 
     ringllm bench serve --base-url http://127.0.0.1:8000 --request-rate 4 --num-prompts 64 --save-result
 """
@@ -34,6 +35,8 @@ import orjson
 from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
+from actors.topology import DEFAULT_PORT
+from benchmarks.server import server_config
 from runtime.models.source import load_tokenizer, resolve_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -284,6 +287,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=6 * 3600)) as http:
         model = args.model or await first_model(http, base_url)
+        config = await server_config(http, base_url)
         before = await scrape(http, base_url)
         progress = tqdm(total=len(prompts), disable=args.disable_tqdm)
 
@@ -312,6 +316,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "burstiness": args.burstiness,
         "max_concurrency": args.max_concurrency,
         "command": args.command,
+        **({"server_config": config} if config is not None else {}),
         **(server_counts(before, after) if after is not None else {}),
         **summarize(outcomes, duration, dict(args.goodput or [])),
     }
@@ -383,7 +388,7 @@ def slo(text: str) -> tuple[str, float]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
     p = argparse.ArgumentParser(prog="ringllm bench serve", description=__doc__.split("\n\n")[0])
-    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="the server's root URL")
+    p.add_argument("--base-url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the server's root URL")
     p.add_argument(
         "--endpoint",
         default="completions",

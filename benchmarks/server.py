@@ -17,6 +17,8 @@ import orjson
 
 from transport.lifetime import on_parent_death
 
+API_WORKERS = 2  # of a server a benchmark starts, unless told otherwise (`ringllm serve` alone starts one)
+
 
 def stop_with_parent() -> None:
     """In the server's process: SIGINT (a clean stop) when the benchmark or test run that started it
@@ -52,6 +54,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def server_config(http: aiohttp.ClientSession, base_url: str = "") -> dict | None:
+    """Every setting the server at `base_url` runs with (GET /server_info's "config"), so that a record holds
+    what ran rather than what its client asked for; None from a server that reports none."""
+    try:
+        async with http.get(f"{base_url}/server_info") as reply:
+            return (await reply.json(loads=orjson.loads)).get("config") if reply.status == 200 else None
+    except aiohttp.ClientError:
+        return None
 
 
 class ServerExited(RuntimeError):

@@ -17,15 +17,20 @@ SMALL = ("--requests", "6", "--input-len", "5", "40", "--output-len", "4", "12",
 
 
 def test_bench_offline_runs_through_the_pipeline_and_in_process(tiny_smol, tmp_path):
+    """Each record holds the configuration that ran: the server's /server_info, or the LLM's config; a flag
+    the client passes on (--enable-deterministic-inference) shows there, and so does what the engine resolved."""
     out = tmp_path / "offline.json"
     for mode in ((), ("--in-process", "--rounds", "1")):
-        result = ringllm("bench", "offline", "--model", str(tiny_smol), *SMALL, *mode, "--out", str(out), timeout=300)
+        flags = (*SMALL, "--enable-deterministic-inference", *mode, "--out", str(out))
+        result = ringllm("bench", "offline", "--model", str(tiny_smol), *flags, timeout=300)
         assert "output tok/s" in result.stdout
     runs = orjson.loads(out.read_bytes())["runs"]
     assert [(r["mode"], r["workload"]) for r in runs] == [("pipeline", "offline"), ("in-process", "offline")]
     for run in runs:
         assert run["tok_per_s"] > 0 and run["command"].startswith("ringllm bench offline")
         assert {"model", "date", "versions"} <= set(run) and run["startup_s"] > 0
+        assert run["deterministic"] is True and run["dtype"] == "float32" and run["max_prefill_tokens"] == 512
+    assert runs[0]["serve"]["api_workers"] == 2 and runs[0]["serve"]["warm_spares"] is False and "serve" not in runs[1]
     pipeline, in_process = runs
     assert len(pipeline["timed_runs"]) == 2 and pipeline["tok_per_s"] == max(pipeline["timed_runs"])  # each on a flushed cache
     assert "timed_runs" not in in_process  # --rounds 1: one timed run

@@ -63,6 +63,7 @@ def peak_in_flight(result: dict) -> int:
 def test_completions_all_at_once(smol_server):
     result = bench(smol_server)
     assert_streams(result, 8, 8)
+    assert result["server_config"]["api_workers"] == 2  # what the server reports it runs
     assert all(abs(n - 32) <= 2 for n in result["input_lens"]), result["input_lens"]  # random text of ~32 tokens
     assert max(result["start_times"]) < 0.5 and result["request_rate"] == "inf" and result["max_concurrency"] is None
 

@@ -1,6 +1,6 @@
 """One flag, one place: every field of EngineConfig, ServeConfig and SupervisorConfig set to a value other
-than its default comes back equal through its flags and the real `ringllm serve` parser; `LLM` runs the
-EngineConfig that `ringllm serve` builds from the same flags."""
+than its default comes back equal through its flags and the real `ringllm serve` parser; `ringllm bench
+offline` and `LLM` build the same EngineConfig from the same flags."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from actors.cli import build_parser
 from actors.pipeline import ServeConfig
 from actors.supervisor import SupervisorConfig
+from benchmarks import offline
 from runtime import LLM
 from runtime.cli_args import CliConfig
 from runtime.config import EngineConfig
@@ -106,6 +107,18 @@ def test_warm_prefixes_come_from_a_file_or_inline(tmp_path):
     (tmp_path / "prefixes.json").write_text('["a", [4, 5]]')
     for given in (str(tmp_path / "prefixes.json"), '["a", [4, 5]]'):
         assert ServeConfig.from_cli_args(serve_args(["--model", str(tmp_path), "--warm-prefixes", given])).warm_prefixes == ("a", [4, 5])
+
+
+def test_bench_offline_passes_the_same_configs_to_its_server(tmp_path):
+    """bench offline's flags build the EngineConfig `ringllm serve` builds, and the server it starts gets all of it
+    (but a standby engine: the benchmark's server runs without warm spares)."""
+    for config in configs(tmp_path):
+        wanted = dataclasses.replace(config.engine, standby_engine=False)
+        flags = wanted.to_cli_args()
+        _, engine, serve = offline.parse_args(["--model", str(tmp_path), "--dp", "2", *flags])
+        assert engine == wanted == EngineConfig.from_cli_args(serve_args(flags))
+        assert serve is not None and ServeConfig.from_cli_args(serve_args(serve.to_cli_args())) == serve
+        assert (serve.engine, serve.data_parallel_size, serve.api_workers, serve.warm_spares) == (engine, 2, 2, False)
 
 
 def test_llm_runs_the_config_serve_builds(tiny_model):
