@@ -62,7 +62,7 @@ def test_a_killed_benchmark_leaves_no_server_behind(tiny_smol, tmp_path):
         served = wait_for(
             lambda: next((p for p in psutil.Process(bench.pid).children() if "serve" in p.cmdline()), None), 60, "the benchmark's server"
         )
-        port = served.cmdline()[served.cmdline().index("--port") + 1]
+        port = next(arg.removeprefix("--port=") for arg in served.cmdline() if arg.startswith("--port="))  # ServeConfig.to_cli_args
         wait_for(lambda: list_segments(server_prefix(port)), 120, "the server's segments")
     finally:
         bench.kill()
