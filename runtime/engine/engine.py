@@ -82,6 +82,7 @@ class PendingStep:
     host_tokens: torch.Tensor
     done: torch.cuda.Event | None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by row: a first draw's prompt, on the host
+    errors: dict[int, str] = field(default_factory=dict)  # by slot: why its grammar allowed no token (the draw is void)
     _results: list[Sampled] | None = field(default=None)
 
     @property
@@ -102,7 +103,7 @@ class PendingStep:
                 state.output_ids.append(token)
             prompts = {i: p.rows() for i, p in self.prompt_logprobs.items()}
             rows = enumerate(zip(self.slots, tokens, logprobs))
-            self._results = [Sampled(slot, token, lp, prompts.get(i)) for i, (slot, token, lp) in rows]
+            self._results = [Sampled(slot, token, lp, prompts.get(i), self.errors.get(slot)) for i, (slot, token, lp) in rows]
         return self._results
 
 
@@ -139,12 +140,25 @@ class Engine:
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
-        startup_s, lap_start = {}, [time.monotonic()]
+        # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
+        phases: dict[str, Callable[[], None]] = {
+            "weights": lambda: self._load_weights(model_dir),
+            "pool": lambda: self._make_pool(model_dir, kv_memory),
+            "kernels": self._choose_kernels,
+            "graphs": self._capture_graphs,
+            "warm_up": self._warm_up,
+        }
+        startup_s = {}
+        for phase, run in phases.items():
+            started = time.monotonic()
+            run()
+            startup_s[phase] = round(time.monotonic() - started, 3)
+        self._log_ready(startup_s)
 
-        def lap(phase: str) -> None:  # start-up's phases, logged with engine_ready (where a restart's time goes)
-            now = time.monotonic()
-            startup_s[phase], lap_start[0] = round(now - lap_start[0], 3), now
-
+    def _load_weights(self, model_dir: Path) -> None:
+        """The checkpoint's config, the dtypes of the weights and the KV cache, and the model's weights
+        (this rank's shard), made batch-invariant under deterministic inference."""
+        config, tp = self.config, self.tp
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = cfg = ModelConfig.load(model_dir)
@@ -155,7 +169,11 @@ class Engine:
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
         # deterministic inference: projections, then the sampler's row-wise reductions, on blocks of this many rows
         self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
-        lap("weights")
+
+    def _make_pool(self, model_dir: Path, kv_memory: Callable[[int], torch.Tensor] | None) -> None:
+        """The KV pool (in `kv_memory` where given), the attention backend over it, and the per-slot
+        state that indexes it: page table, lengths, last tokens, grammars."""
+        cfg, config, tp = self.model_config, self.config, self.tp
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
@@ -174,7 +192,6 @@ class Engine:
             kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1], config.deterministic)
-        lap("pool")
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
         self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
@@ -185,48 +202,68 @@ class Engine:
         self._unread: deque[PendingStep] = deque()
         # the last launch's host time spent reading earlier draws back and filling grammar masks (steps that need them)
         self.host_waits: dict[str, float] = {}
-        self.graphs, self.prefill_graphs, few_row_gemms, one_row_fused = None, None, {}, {}
+
+    def _graph_limits(self) -> tuple[int, int]:
+        """(the largest decode batch, the most prefill tokens) that CUDA graphs capture, 0 for none.
+        Graphs are captured on CUDA under the flashinfer backend only."""
+        config = self.config
+        if self.device.type != "cuda" or config.attention_backend != "flashinfer":
+            return 0, 0
+        return min(config.cuda_graph_max_bs, config.max_running_requests), config.cuda_graph_max_prefill_tokens
+
+    def _choose_kernels(self) -> None:
+        """Times the kernels that may stand in for cuBLAS and swaps in the winners (runtime.engine.gemm_tuner):
+        FP8 GEMMs on CUDA, and few-row GEMMs and one-row fusions for decode graphs. Kernels chosen per
+        row count are not batch-invariant: deterministic inference keeps cuBLAS. `chosen_kernels` says
+        what won."""
         fp8_gemms = use_fp8_gemms(self.model, self.dtype) if self.device.type == "cuda" else {}
-        graphs = self.device.type == "cuda" and config.attention_backend == "flashinfer"
-        max_bs = min(config.cuda_graph_max_bs, slots)
-        if graphs and max_bs and not config.deterministic:  # kernels chosen per row count: not batch-invariant
+        few_row_gemms, one_row_fused = {}, {}
+        max_bs = self._graph_limits()[0]
+        if max_bs and not self.config.deterministic:
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
-            one_row_fused = use_one_row_fusion(list(self.model.model.layers), self.device, self.dtype, allow_summed=tp.size == 1)
-        lap("kernels")
-        if graphs and max_bs:
+            layers = list(self.model.model.layers)
+            one_row_fused = use_one_row_fusion(layers, self.device, self.dtype, allow_summed=self.tp.size == 1)
+        self.chosen_kernels: dict[str, dict] = {"few_row_kernels": few_row_gemms, "fp8_kernels": fp8_gemms, "one_row_fused": one_row_fused}
+
+    def _capture_graphs(self) -> None:
+        """CUDA graphs of decode steps up to the largest batch, and of prefill steps up to the most
+        tokens, where _graph_limits allows them; the prefill graphs share the decode graphs' memory pool."""
+        max_bs, prefill_tokens = self._graph_limits()
+        self.graphs: DecodeGraphs | None = None
+        self.prefill_graphs: PrefillGraphs | None = None
+        if max_bs:
             self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
-        if graphs and config.cuda_graph_max_prefill_tokens:
+        if prefill_tokens:
             self.prefill_graphs = PrefillGraphs(
                 self.model,
                 self.attention,
-                config.cuda_graph_max_prefill_tokens,
+                prefill_tokens,
                 self.max_pages_per_seq,
                 self.scratch_page,
                 self.device,
                 self.graphs.pool if self.graphs else None,
             )
-        lap("graphs")
-        self._warm_up()
-        lap("warm_up")
+
+    def _log_ready(self, startup_s: dict[str, float]) -> None:
+        """engine_ready: each start-up phase's seconds and what start-up chose (kernels, graphs, pages)."""
+        cfg, config, graphs = self.model_config, self.config, self.graphs
         log.info(
             "engine_ready",
             startup_s=startup_s,
             architecture=cfg.architecture,
-            tp_rank=f"{tp.rank}/{tp.size}",
+            tp_rank=f"{self.tp.rank}/{self.tp.size}",
             dtype=str(self.dtype),
             device=str(self.device),
             pages=self.num_pages,
             kv_tokens=self.num_pages * config.page_size,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
-            cuda_graphs=self.graphs.sizes if self.graphs else None,
-            few_row_kernels=few_row_gemms,
-            fp8_kernels=fp8_gemms,
-            one_row_fused=one_row_fused,
-            decode_attention=self.graphs.attention_kernels if self.graphs else None,
+            cuda_graphs=graphs.sizes if graphs else None,
+            **self.chosen_kernels,
+            decode_attention=graphs.attention_kernels if graphs else None,
             deterministic=config.deterministic,
-            decode_graph_us={bs: round(ms * 1e3, 1) for bs, ms in self.graphs.replay_ms.items()} if self.graphs else None,
+            decode_graph_us={bs: round(ms * 1e3, 1) for bs, ms in graphs.replay_ms.items()} if graphs else None,
             prefill_graphs=[f"{t}x{s}" for t, s in self.prefill_graphs.shapes] if self.prefill_graphs else None,
-            padded_to={n: bs for n, bs in self.graphs.replay_size.items() if bs != n} if self.graphs else None,
+            padded_to={n: bs for n, bs in graphs.replay_size.items() if bs != n} if graphs else None,
         )
 
     @torch.inference_mode()
@@ -386,7 +423,10 @@ class Engine:
         drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain, self.block_rows)
         for state in step.states:
             state.sampled += 1
-        return self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
+        pending = self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
+        if constrained:
+            pending.errors = self.grammars.take_errors()
+        return pending
 
     def _masked(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
         started = time.perf_counter()
