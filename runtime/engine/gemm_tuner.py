@@ -24,6 +24,7 @@ from __future__ import annotations
 import functools
 from collections import defaultdict
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import structlog
 import torch
@@ -155,26 +156,28 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
     return chosen
 
 
-@torch.inference_mode()
-def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype, allow_summed: bool = True) -> dict[str, str]:
-    """Fuse each of a decoder layer's norm→qkv, norm→gate_up and SiLU→down pairs at one row where a
-    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then,
-    if `allow_summed` (not under tensor parallelism, whose all-reduce must come before the residual add),
-    the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
-    epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
-    gemv_kernel = _gemv_kernels(device, dtype)
-    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) for layer in layers):
-        return {}
-    projections = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)
-    if any(isinstance(p, Fp8Linear) for p in projections):  # FP8 runs kernels of its own
-        return {}
+# way -> (all layers' calls, the fused kernel; None for the pair as it stands)
+Ways = dict[str, tuple[Callable[[], object], Callable | None]]
+
+
+@dataclass(frozen=True)
+class OneRowCandidates:
+    """Every way to run each pair over all layers at one row, and the rows they run on."""
+
+    pairs: dict[str, Ways]  # "qkv", "gate_up", "down" -> the pair as it stands ("pair") and the fused kernel at each tile
+    o_adds: Ways  # o_proj with the residual add in its epilogue, at each tile
+    h: torch.Tensor
+    attended: torch.Tensor  # an attention output, o_proj's input
+
+
+def _one_row_candidates(layers: list[DecoderLayer], gemv_kernel, device: torch.device, dtype: torch.dtype) -> OneRowCandidates:
+    """Builds the fused forms of each pair (norm→qkv, norm→gate_up, SiLU→down) and of o_proj with its
+    residual add, at each GEMV tile of the linear's shape, beside the pairs as they stand."""
     first = layers[0]
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
     h, residual = (torch.randn(1, hidden, dtype=dtype, device=device) for _ in range(2))
     gate_up = torch.randn(1, 2 * inter, dtype=dtype, device=device)
     attended = torch.randn(1, first.self_attn.o_proj.weight.shape[1], dtype=dtype, device=device)
-
-    Ways = dict[str, tuple[Callable[[], object], Callable | None]]  # way -> (all layers' calls, the fused kernel)
 
     def tiled(
         prefix: str, kernel: Callable, linear: Callable[[DecoderLayer], nn.Module], call: Callable[[Callable, DecoderLayer], object]
@@ -220,25 +223,57 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
         lambda layer: layer.self_attn.o_proj,  # the residual add in o_proj's epilogue
         lambda o_add, layer: o_add(attended, layer.self_attn.o_proj, residual),
     )
+    return OneRowCandidates(pairs, o_adds, h, attended)
+
+
+def _time_one_row_fusion(
+    layers: list[DecoderLayer], candidates: OneRowCandidates, allow_summed: bool
+) -> tuple[OneRowFusion, dict[str, str]] | None:
+    """Times each pair's fused forms against the pair as it stands and keeps the winners; then, if
+    `allow_summed`, times all layers under those choices against the summed stream (each pair's and
+    o_proj's fastest fused form) and keeps the stream where it won. Returns the fusion and {pair: way}
+    ("pair": as it stands); None where a GEMV fails to build or launch here."""
+    pairs, o_adds = candidates.pairs, candidates.o_adds
     try:
         times = {
-            name: cuda_graph.time_captured({way: run for way, (run, _) in candidates.items()})
-            for name, candidates in ({**pairs, "o_proj": o_adds} if allow_summed else pairs).items()
+            name: cuda_graph.time_captured({way: run for way, (run, _) in ways.items()})
+            for name, ways in ({**pairs, "o_proj": o_adds} if allow_summed else pairs).items()
         }
-    except RuntimeError as exc:  # the GEMV fails to build or launch here: every pair stays as it is
+    except RuntimeError as exc:
         log.warning("one_row_fusion_unusable", error=str(exc)[:200])
-        return {}
+        return None
     chosen = {name: _winner(times[name], "pair") for name in pairs}
     fusion = OneRowFusion(**{name: pairs[name][way][1] for name, way in chosen.items() if way != "pair"})
     if allow_summed:
-        best = {name: _fastest({way: t for way, t in ways_.items() if way != "pair"}) for name, ways_ in times.items()}
+        best = {name: _fastest({way: t for way, t in ways.items() if way != "pair"}) for name, ways in times.items()}
         summed = OneRowFusion(**{name: pairs[name][best[name]][1] for name in pairs}, o_proj=o_adds[best["o_proj"]][1])
+        h, attended = candidates.h, candidates.attended
         layer_times = cuda_graph.time_captured(
             {way: lambda f=f: _layer_projections(layers, f, h, attended) for way, f in (("as chosen", fusion), ("fused stream", summed))}
         )
         log.info("one_row_layers_timed", **{way: f"{ms * 1e3:.1f} us" for way, ms in layer_times.items()})
         if _winner(layer_times, "as chosen", STREAM_MARGIN) != "as chosen":
             fusion, chosen = summed, {**best, "stream": "summed"}
+    return fusion, chosen
+
+
+@torch.inference_mode()
+def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: torch.dtype, allow_summed: bool = True) -> dict[str, str]:
+    """Fuse each of a decoder layer's norm→qkv, norm→gate_up and SiLU→down pairs at one row where a
+    fused GEMV ran all layers' pairs faster than the pair as it stands (after use_few_row_gemms); then,
+    if `allow_summed` (not under tensor parallelism, whose all-reduce must come before the residual add),
+    the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
+    epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
+    gemv_kernel = _gemv_kernels(device, dtype)
+    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) for layer in layers):
+        return {}
+    projections = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)
+    if any(isinstance(p, Fp8Linear) for p in projections):  # FP8 runs kernels of its own
+        return {}
+    timed = _time_one_row_fusion(layers, _one_row_candidates(layers, gemv_kernel, device, dtype), allow_summed)
+    if timed is None:  # every pair stays as it is
+        return {}
+    fusion, chosen = timed
     for layer in layers:
         layer.one_row = fusion
     return {name: way for name, way in chosen.items() if way != "pair"}
