@@ -323,6 +323,11 @@ class SchedulerActor(Actor):
         self._publish_gauges()  # before the tokens leave: a client that has them reads gauges that count them
         step_items: list[TokenItem] = []
         for request in requests:
+            if request.error is not None:  # the engine could not go on: its client gets the error instead of a finish
+                self.announce.pop(request.rid, None)
+                self._on_finished(request)
+                await self._refuse(request.rid, Refusal(request.error))
+                continue
             item = TokenItem(request.rid, None, [])
             if (generated := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know
                 item = _first_item(request, self.detoks[request.rid], generated)

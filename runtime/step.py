@@ -56,6 +56,7 @@ class Sampled:
     token: int
     logprobs: dict[int, float] | None
     prompt_logprobs: list[PromptLogprob] | None = None  # with a slot's first token: positions 1.. of its prompt
+    error: str | None = None  # the slot cannot go on (its grammar allows no token): the draw is void, the request fails
 
 
 def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
@@ -97,11 +98,14 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
 def results_to_wire(step: int, results: list[Sampled]) -> tuple[dict, list[list[int]]]:
     logprobs = [[r.slot, list(r.logprobs.items())] for r in results if r.logprobs is not None]
     prompt_logprobs = [[r.slot, r.prompt_logprobs] for r in results if r.prompt_logprobs is not None]
-    meta = {"step": step, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    errors = [[r.slot, r.error] for r in results if r.error is not None]
+    meta = {"step": step, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "errors": errors}
     return meta, [[r.slot for r in results], [r.token for r in results]]
 
 
 def results_from_wire(meta: dict, arrays: list) -> list[Sampled]:
     logprobs = {slot: {int(t): lp for t, lp in pairs} for slot, pairs in meta["logprobs"]}
     prompts = dict(meta["prompt_logprobs"])  # each position as it came off the wire: [log-probability, rank, [[id, value]...]]
-    return [Sampled(slot, token, logprobs.get(slot), prompts.get(slot)) for slot, token in zip(arrays[0].tolist(), arrays[1].tolist())]
+    errors = dict(meta["errors"])
+    slots, tokens = arrays[0].tolist(), arrays[1].tolist()
+    return [Sampled(slot, token, logprobs.get(slot), prompts.get(slot), errors.get(slot)) for slot, token in zip(slots, tokens)]

@@ -26,6 +26,7 @@ class Request:
     logprobs: list[dict[int, float]] = field(default_factory=list)
     prompt_logprobs: list[PromptLogprob] | None = None  # positions 1.. of the prompt, with the first token
     finish_reason: str | None = None
+    error: str | None = None  # why the engine could not go on (then finish_reason is "abort"): its client gets this
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     matched: int = 0  # tokens found in the prefix cache at its latest admission
     # dropped on preemption:
@@ -315,6 +316,11 @@ class Scheduler:
             request = self._by_slot.get(result.slot)
             if request is None or request.admitted_step > step:
                 continue  # the slot's request finished or was preempted after this step was planned
+            if result.error is not None:  # the draw is void: the request ends with the engine's error
+                request.error, request.finish_reason = result.error, "abort"
+                self._finish(request)
+                advanced.append(request)
+                continue
             request.output_ids.append(result.token)
             request.confirmed = len(request.tokens) - 1  # every token before the one just drawn has its KV
             if result.logprobs is not None:

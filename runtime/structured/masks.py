@@ -37,6 +37,7 @@ class GrammarMasks:
         self._compiler: Any = None
         self._batch: Any = None  # xgrammar.BatchGrammarMatcher: fills many rows' masks on a thread pool
         self._slots: dict[int, _Slot] = {}
+        self._errors: dict[int, str] = {}  # slot -> why its grammar failed, until the engine takes it
         self._bitmask: torch.Tensor | None = None
 
     def _load_compiler(self, tokenizer: Any) -> None:
@@ -74,6 +75,7 @@ class GrammarMasks:
 
     def clear(self) -> None:
         self._slots.clear()
+        self._errors.clear()
 
     def constrains(self, slots: np.ndarray) -> bool:
         """Does a grammar hold any of these slots? Free (no list is built) while no slot is constrained."""
@@ -81,16 +83,35 @@ class GrammarMasks:
 
     def apply(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
         """Masks row i of `logits` to what slot slots[i]'s grammar allows after outputs[i] (every
-        token the slot has drawn, read back)."""
+        token the slot has drawn, read back). A grammar that allows no token there fails its slot
+        (take_errors) and leaves its row as it is: the request ends with the error, not with that draw."""
         import xgrammar as xgr
 
-        live = [(i, state) for i, (slot, output) in enumerate(zip(slots, outputs)) if (state := self._feed(slot, output)) is not None]
+        live = [(i, slot, state) for i, (slot, output) in enumerate(zip(slots, outputs)) if (state := self._feed(slot, output)) is not None]
         if live:
-            rows = [i for i, _ in live]
+            rows = [i for i, _, _ in live]
             bitmask = self._bitmask_rows(len(slots), logits.device)
             self._batch = self._batch or xgr.BatchGrammarMatcher()
-            self._batch.batch_fill_next_token_bitmask([state.matcher for _, state in live], bitmask, rows)
-            self._apply_masks(logits, bitmask, rows)
+            self._batch.batch_fill_next_token_bitmask([state.matcher for _, _, state in live], bitmask, rows)
+            allows = bitmask[rows].ne(0).any(dim=1).tolist()
+            for (_, slot, state), some in zip(live, allows):
+                if not some:
+                    self._fail(slot, state)
+            if rows := [i for (i, _, _), some in zip(live, allows) if some]:
+                self._apply_masks(logits, bitmask, rows)
+
+    def take_errors(self) -> dict[int, str]:
+        """The slots whose grammars failed since the last call, and why (for their clients)."""
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _fail(self, slot: int, state: _Slot) -> None:
+        log.warning("grammar_dead_end", slot=slot, at=state.fed)
+        del self._slots[slot]
+        self._errors[slot] = (
+            f"the output constraint allows no token after {state.fed} generated tokens (a rule that can never end, "
+            "or text the model's vocabulary cannot spell)"
+        )
 
     def _bitmask_rows(self, rows: int, device: torch.device) -> torch.Tensor:
         """The host bitmask's first `rows` rows, grown as needed; pinned on CUDA, so its copy is asynchronous
@@ -113,14 +134,14 @@ class GrammarMasks:
 
     def _feed(self, slot: int, output: list[int]) -> _Slot | None:
         """The slot's matcher after its new tokens; None if the slot is not constrained, or no longer:
-        its grammar is done (or refused a token, which lets the slot go unconstrained: the log says so)."""
+        its grammar is done, or refused a token (which fails the slot)."""
         if (state := self._slots.get(slot)) is None:
             return None
         for token in output[state.fed :]:
-            if state.matcher.is_terminated() or not state.matcher.accept_token(token):
-                if not state.matcher.is_terminated():
-                    log.warning("grammar_refused_token", slot=slot, token=token, at=state.fed)
-                del self._slots[slot]
+            if state.matcher.is_terminated():
+                break
+            if not state.matcher.accept_token(token):
+                self._fail(slot, state)
                 return None
             state.fed += 1
         if state.matcher.is_terminated():
