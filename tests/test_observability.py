@@ -174,10 +174,13 @@ def test_json_log_lines_take_fields_with_integer_keys():
 
 
 def test_json_log_lines_carry_the_traceback_of_log_exception():
-    """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true."""
-    out = _logged("try:\n    {}['missing-key']\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')", "json")
+    """A handler's failure logs with log.exception: the JSON line must hold where it failed, not just exc_info=true,
+    and not the frames' locals (kilobytes a line)."""
+    fail = "def fail(held):\n    {}['missing-key']\n"
+    out = _logged(fail + "try:\n    fail('x' * 5000)\nexcept KeyError:\n    structlog.get_logger().exception('handler_failed')", "json")
     line = orjson.loads(out.stderr.strip().splitlines()[-1])
     assert out.returncode == 0 and "missing-key" in orjson.dumps(line["exception"]).decode(), out.stderr
+    assert "xxxxx" not in out.stderr
 
 
 def test_console_log_format():

@@ -58,10 +58,11 @@ def configure_logging(actor: str, level: str | None = None) -> None:
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             *(
-                [structlog.dev.ConsoleRenderer(colors=False)]
+                # tracebacks as Python prints them: structlog's rich ones carry every frame's locals (kilobytes a line)
+                [structlog.dev.ConsoleRenderer(colors=False, exception_formatter=structlog.dev.plain_traceback)]
                 if console
                 else [
-                    structlog.processors.dict_tracebacks,
+                    structlog.processors.format_exc_info,
                     # OPT_NON_STR_KEYS: a field {1: 8} must not kill an actor
                     structlog.processors.JSONRenderer(serializer=orjson.dumps, option=orjson.OPT_NON_STR_KEYS),
                 ]
