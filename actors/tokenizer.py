@@ -32,7 +32,7 @@ from actors.base import Actor
 from actors.frames import Abort, Payload, Refusal, Submit, Tokenized, decode
 from actors.gauges import TokenizerGauge
 from actors.replicas import Replicas
-from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow
+from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow, prompt_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
 from runtime.structured.grammars import GuideError, build_grammar
@@ -148,7 +148,7 @@ class TokenizerActor(Actor):
         if ids is None:
             param = "messages" if sub.req.messages is not None else "prompt"
             await self._refuse(
-                sub, f"this model's maximum context length is {self.max_position} tokens; the prompt has more than that", param=param
+                sub, prompt_overflow(self.max_position, f"more than {self.max_position} tokens in the messages"), param=param
             )
         elif isinstance(ids, str):
             await self._refuse(sub, ids)

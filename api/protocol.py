@@ -55,11 +55,25 @@ class Limits:
 
 
 def context_overflow(limit: int, prompt_tokens: int, max_tokens: int | None) -> str | None:
-    """vLLM's words for a prompt and max_tokens that outgrow the context; None when they fit."""
-    if prompt_tokens + (max_tokens or 1) <= limit:
+    """vLLM's and OpenAI's words, which clients match on, for a prompt and max_tokens that outgrow the
+    context; None when they fit. Without max_tokens (the rest of the context) the prompt must leave one."""
+    if max_tokens is None:
+        return prompt_overflow(limit, f"{prompt_tokens} tokens in the messages") if prompt_tokens >= limit else None
+    if prompt_tokens + max_tokens <= limit:
         return None
-    asked = f" and max_tokens asks for {max_tokens} more" if max_tokens is not None else ""
-    return f"this model's maximum context length is {limit} tokens; the prompt has {prompt_tokens}{asked}"
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested {prompt_tokens + max_tokens} tokens "
+        f"({prompt_tokens} in the messages, {max_tokens} in the completion). Please reduce the length of the messages or completion."
+    )
+
+
+def prompt_overflow(limit: int, requested: str) -> str:
+    """The same words for a prompt that alone outgrows the context, `requested` saying by how much as far
+    as it was counted (a prompt refused before it is encoded whole has no exact count)."""
+    return (
+        f"This model's maximum context length is {limit} tokens. However, you requested {requested}. "
+        "Please reduce the length of the messages."
+    )
 
 
 @dataclass
@@ -118,21 +132,15 @@ def _check_prompt_size(prompt: dict, max_tokens: int | None, limits: Limits) -> 
         if message := context_overflow(limits.max_model_len, len(prompt["ids"]), max_tokens):
             raise ApiError(message, param="max_tokens")
         return
-    if "messages" in prompt and len(prompt["messages"]) >= limits.max_model_len:  # the template gives each a token at least
-        raise ApiError(
-            f"this model's maximum context length is {limits.max_model_len} tokens; a conversation of "
-            f"{len(prompt['messages'])} messages has more than that",
-            param="messages",
-        )
+    limit = limits.max_model_len
+    if "messages" in prompt and len(prompt["messages"]) >= limit:  # the template gives each a token at least
+        raise ApiError(prompt_overflow(limit, f"more than {limit} tokens in {len(prompt['messages'])} messages"), param="messages")
     if (bound := limits.max_prompt_bytes) is None:
         return
     texts = [m["content"] for m in prompt["messages"] if m["role"] != "assistant"] if "messages" in prompt else [prompt["prompt"]]
     if (size := sum(map(text_bytes, texts))) > bound:
-        raise ApiError(
-            f"this model's maximum context length is {limits.max_model_len} tokens; a prompt of {size} bytes has "
-            f"more than that (no token is longer than {limits.max_token_bytes} bytes)",
-            param="messages" if "messages" in prompt else "prompt",
-        )
+        requested = f"more than {limit} tokens in the messages ({size} bytes, and no token is longer than {limits.max_token_bytes})"
+        raise ApiError(prompt_overflow(limit, requested), param="messages" if "messages" in prompt else "prompt")
 
 
 def _messages(body: dict) -> list[dict]:
