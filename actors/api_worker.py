@@ -46,7 +46,7 @@ from transport.ring import PayloadTooLarge
 
 log = structlog.get_logger()
 PING_S = 1.0  # a ping goes through the pipeline this often
-WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0).to_dict()  # a warm-up request: prefill, and one greedy token
+WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0)  # a warm-up request: prefill, and one greedy token
 FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
 HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
 
@@ -207,10 +207,11 @@ class ApiWorker(Actor):
 
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int:
         rid = make_rid(self.worker, next(self._counter))
-        if meta["params"]["seed"] is None:  # picked here, so that a replay samples the same tokens
-            meta["params"]["seed"] = random.getrandbits(63)
+        params = meta["params"]
+        if params.seed is None:  # picked here, so that a replay samples the same tokens
+            params = replace(params, seed=random.getrandbits(63))
         submit = Submit(
-            meta["params"],
+            params,
             Detok(**meta["detok"]),
             meta["trace"],
             meta["messages"],
@@ -276,7 +277,7 @@ class ApiWorker(Actor):
         """Submits the warm-up requests (their rids into `rids`) and waits for each one's usage."""
         for i, prefix in enumerate(prefixes):
             meta = {
-                "params": {**WARM_PARAMS},
+                "params": WARM_PARAMS,
                 "detok": {"stop": [], "skip_special_tokens": True, "top_logprobs": 0},
                 "trace": f"warm-{self.worker}-{i}",
                 "messages": None,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from actors.kinds import Kind
+from runtime.sampling_params import SamplingParams
 from runtime.step import HeldKV, PromptLogprob, Sampled, StepPlan, plan_from_wire, plan_to_wire, results_from_wire, results_to_wire
 from transport import codec
 from transport.ring import Frame
@@ -50,7 +51,7 @@ class Submit(Payload):
     """A request as its client sent it; a replay also carries the tokens its client has seen."""
 
     KIND = Kind.SUBMIT
-    params: dict[str, Any]  # SamplingParams' fields; max_tokens may be None (the tokenizer fills it in)
+    params: SamplingParams  # max_tokens None: the rest of the context (the scheduler fills it in)
     detok: Detok
     trace: str
     messages: list[dict] | None
@@ -77,7 +78,9 @@ class Submit(Payload):
     @classmethod
     def from_wire(cls, meta: dict, arrays: list) -> Submit:
         ids, generated = (a.tolist() for a in arrays)
-        return cls(**{**meta, "detok": Detok(**meta["detok"])}, ids=ids or None, generated=generated)
+        return cls(
+            **{**meta, "params": SamplingParams(**meta["params"]), "detok": Detok(**meta["detok"])}, ids=ids or None, generated=generated
+        )
 
 
 @dataclass(frozen=True)
@@ -85,7 +88,7 @@ class Tokenized(Payload):
     """REQUEST: a request the tokenizer accepted; its prompt's text stays behind."""
 
     KIND = Kind.REQUEST
-    params: dict[str, Any]  # SamplingParams' fields, max_tokens set
+    params: SamplingParams
     detok: Detok
     trace: str
     prompt_ids: list[int]
@@ -98,7 +101,7 @@ class Tokenized(Payload):
     @classmethod
     def from_wire(cls, meta: dict, arrays: list) -> Tokenized:
         prompt_ids, generated = (a.tolist() for a in arrays)
-        return cls(meta["params"], Detok(**meta["detok"]), meta["trace"], prompt_ids, generated, meta["pin"])
+        return cls(SamplingParams(**meta["params"]), Detok(**meta["detok"]), meta["trace"], prompt_ids, generated, meta["pin"])
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,7 +24,6 @@ from actors.kinds import counter_of, first_counter, worker_of
 from actors.pipeline import api_worker_names, engine_names, pool_outlives_engine
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
-from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Request, Scheduler
 from runtime.step import StepPlan
 from transport.ring import Frame
@@ -251,7 +250,7 @@ class SchedulerActor(Actor):
                     return
                 self.slot["gauges"][SchedulerGauge.TAKEN] += 1  # requests taken in, for the router: a restart counts on
                 try:
-                    request = self.core.add(rid, req.prompt_ids, SamplingParams(**req.params), req.generated, pin=req.pin)
+                    request = self.core.add(rid, req.prompt_ids, req.params, req.generated, pin=req.pin)
                 except ValueError as exc:
                     await self._refuse(rid, Refusal(str(exc)))
                     return

@@ -22,7 +22,7 @@ import ctypes
 import functools
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ from actors.replicas import Replicas
 from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow, prompt_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
+from runtime.sampling_params import SamplingParams
 from runtime.structured.grammars import GuideError, build_grammar
 from runtime.text.fast_encode import Encode, encode_with_transformers, fast_encoder
 from runtime.text.prompt_length import encode_unless_longer, max_token_bytes
@@ -169,15 +170,13 @@ class TokenizerActor(Actor):
         req, limit = sub.req, self.max_position
         log.info("tokenized", rid=req.trace, prompt_tokens=len(ids), batch=batch, tokenize_s=round(time.monotonic() - started, 6))
         params = req.params
-        if params["max_tokens"] is None:  # the rest of the context, as vLLM does
-            params = {**params, "max_tokens": max(1, limit - len(ids))}
         if not ids:
             await self._refuse(sub, "the prompt is empty")
         elif max(ids) >= self.vocab_size:
             await self._refuse(sub, f"token id {max(ids)} is outside the vocabulary of {self.vocab_size}", param="prompt")
-        elif message := context_overflow(limit, len(ids), params["max_tokens"]):
+        elif message := context_overflow(limit, len(ids), params.max_tokens):
             await self._refuse(sub, message, param="max_tokens")
-        elif (top := params.get("prompt_logprobs")) is not None and len(ids) * (top + 2) > MAX_PROMPT_LOGPROB_ENTRIES:
+        elif (top := params.prompt_logprobs) is not None and len(ids) * (top + 2) > MAX_PROMPT_LOGPROB_ENTRIES:
             await self._refuse(
                 sub,
                 f"the prompt's log-probabilities (echo with logprobs, or prompt_logprobs) of {len(ids)} tokens with the top "
@@ -188,7 +187,7 @@ class TokenizerActor(Actor):
             scheduler = self.replicas.place(ids)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
 
-    async def _with_guide(self, sub: Submission, params: dict[str, Any]) -> dict[str, Any] | None:
+    async def _with_guide(self, sub: Submission, params: SamplingParams) -> SamplingParams | None:
         """The params with the guide, once its grammar has been built here (which refuses a bad or
         oversized one; the engine builds it again from the cache-friendly spec, not from megabytes of
         grammar sent down the rings); None when it was refused, or aborted while it was built."""
@@ -200,7 +199,7 @@ class TokenizerActor(Actor):
             if not self.in_lane.pop(key, True):
                 await self._refuse(sub, str(exc))
             return None
-        return None if self.in_lane.pop(key, True) else {**params, "guide": sub.req.guide}
+        return None if self.in_lane.pop(key, True) else replace(params, guide=sub.req.guide)
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:

@@ -8,7 +8,7 @@ import importlib.metadata
 import itertools
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 import orjson
@@ -180,8 +180,9 @@ def _echoed(c: Completion, state: ChoiceState) -> tuple[str, list[dict]]:
     """What an echo puts before a completion choice's text and its logprobs (trimmed to the request's N)."""
     if not c.echo or state.prompt is None:
         return "", []
-    entries = state.prompt["logprobs"] if c.logprobs is not None else None
-    return state.prompt["text"], [{**e, "top": e["top"][: c.logprobs]} for e in entries or ()]
+    top = c.params.logprobs
+    entries = state.prompt["logprobs"] if top is not None else None
+    return state.prompt["text"], [{**e, "top": e["top"][:top]} for e in entries or ()]
 
 
 def _prompt_logprobs(c: Completion, state: ChoiceState) -> dict:
@@ -290,12 +291,12 @@ class Handlers:
         try:
             for p, prompt in enumerate(c.prompts):
                 for j in range(c.n):
-                    seed = c.params["seed"]
-                    params = {**c.params, "seed": None if seed is None else (seed + j) % 2**63}
+                    seed = c.params.seed
+                    params = replace(c.params, seed=None if seed is None else (seed + j) % 2**63)
                     detok = {
                         "stop": c.stop,
                         "skip_special_tokens": c.skip_special_tokens,
-                        "top_logprobs": c.logprobs or 0,
+                        "top_logprobs": c.params.logprobs or 0,
                         "prompt": c.echo or c.prompt_logprobs is not None,
                     }
                     index = p * c.n + j
@@ -377,7 +378,7 @@ class Handlers:
         out = []
         for s in sorted(choices.values(), key=lambda s: s.index):
             echo_text, echo_entries = _echoed(c, s)
-            logprobs = logprobs_block(c.chat, echo_entries + s.logprobs, 0) if c.logprobs is not None else None
+            logprobs = logprobs_block(c.chat, echo_entries + s.logprobs, 0) if c.params.logprobs is not None else None
             text, parts, finish = self._parsed(self._chat_output(c), "".join(s.text), s.finish, stream=False)
             token_ids = s.token_ids if c.echo_token_ids else None
             text = echo_text + text if echo_text else text  # a chat message's content may be None (tool calls)
@@ -402,7 +403,7 @@ class Handlers:
                 chunk = envelope(c, chunk=True)
                 echo_text, echo_entries = _echoed(c, state) if not state.started else ("", [])
                 entries = echo_entries + delta.get("logprobs", [])
-                logprobs = logprobs_block(c.chat, entries, offset) if c.logprobs is not None else None
+                logprobs = logprobs_block(c.chat, entries, offset) if c.params.logprobs is not None else None
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
                 text, parts, finish = self._parsed(state.output, delta["text"], state.finish, stream=True)
                 first = not state.started

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -16,10 +16,10 @@ import orjson
 from api.chat_output import DEFAULT_TOOL_CALL_PARSER
 from api.errors import ApiError
 from api.guides import Guide, Tools, guide_of, tool_guide, tools_of
+from runtime.sampling_params import InvalidParams, SamplingParams
 from runtime.text.prompt_length import text_bytes
 
 MAX_N = 64
-MAX_LOGPROBS = 20
 MAX_STOPS = 16
 MAX_STOP_CHARS = 256  # of one stop string: the detokenizer holds back up to this much text
 MAX_STOP_TOKEN_IDS = 256
@@ -30,6 +30,18 @@ UNSUPPORTED = {"best_of": 1, "suffix": None}
 MAX_PROMPT_LOGPROB_ENTRIES = 1 << 15
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI allows
 MAX_WARM_PREFIXES = 64  # in one POST /warm_prefixes
+# sampling fields a request sets as they are, with the JSON types each takes (SamplingParams checks their ranges)
+SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
+    "temperature": (int, float),
+    "top_p": (int, float),
+    "top_k": (int,),
+    "min_p": (int, float),
+    "ignore_eos": (bool,),
+    "presence_penalty": (int, float),
+    "frequency_penalty": (int, float),
+    "repetition_penalty": (int, float),
+    "priority": (int,),
+}
 # what the chat template takes, refused on /v1/completions rather than ignored
 CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
 # chat_template_kwargs may not override what the server passes the template itself
@@ -83,13 +95,12 @@ class Completion:
     chat: bool
     model: str
     prompts: list[dict]  # each {"messages": ...} | {"prompt": str} | {"ids": [...]}
-    params: dict[str, Any]  # SamplingParams fields; max_tokens may be None (the rest of the context)
+    params: SamplingParams  # each choice's, but for its seed (api.app offsets it per choice)
     n: int = 1
     stream: bool = False
     include_usage: bool = False
     continuous_usage: bool = False  # stream_options.continuous_usage_stats: usage in every chunk (with include_usage)
     stop: list[str] = field(default_factory=list)
-    logprobs: int | None = None  # top-N per token; 0 asks for the chosen token's only
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' log-probabilities) comes first
     prompt_logprobs: int | None = None  # vLLM's: each prompt token's log-probability and the top N there
     echo_token_ids: bool = False
@@ -269,54 +280,24 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
             )
         guide = tool_guide(tools, limits.tool_call_parser, limits.reasoning_parser is not None)
     prompts = [{"messages": _messages(body)}] if chat else _prompts(body, limits)
-    positive = dict(check=lambda v: v >= 1, why="must be at least 1")
-    max_tokens = _get(body, "max_tokens", (int,), **positive)
-    if chat and (newer := _get(body, "max_completion_tokens", (int,), **positive)) is not None:
-        max_tokens = newer  # OpenAI's newer name wins
-    if not chat and max_tokens is None:
-        max_tokens = 16  # OpenAI's default for completions
+    echo = _get(body, "echo", (bool,), False)
+    prompt_logprobs = _get(body, "prompt_logprobs", (int,))
+    params = _sampling(body, chat, limits, echo, prompt_logprobs)
     stop = _get(body, "stop", (str, list), default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):
         raise ApiError(
             f"'stop' must be a string or a list of up to {MAX_STOPS} non-empty strings of at most {MAX_STOP_CHARS} characters", param="stop"
         )
-    stop_ids = _get(body, "stop_token_ids", (list,), default=[])
-    if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
-        raise ApiError(
-            f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids below the vocabulary's {limits.vocab_size}",
-            param="stop_token_ids",
-        )
     for prompt in prompts:
-        _check_prompt_size(prompt, max_tokens, limits)
-    logprobs = _logprobs(body, chat)
-    echo = _get(body, "echo", (bool,), False)
-    prompt_logprobs = _get(body, "prompt_logprobs", (int,), None, lambda v: 0 <= v <= MAX_LOGPROBS, f"must be between 0 and {MAX_LOGPROBS}")
+        _check_prompt_size(prompt, params.max_tokens, limits)
     stream = _get(body, "stream", (bool,), default=False)
     options = _get(body, "stream_options", (dict,))
     if options is not None and not stream:
         raise ApiError("'stream_options' is only allowed when 'stream' is true", param="stream_options")
     include_usage = _get(options or {}, "include_usage", (bool,), default=False)
     continuous_usage = _get(options or {}, "continuous_usage_stats", (bool,), default=False)
-    params = dict(
-        max_tokens=max_tokens,
-        temperature=_get(body, "temperature", (int, float), 1.0, lambda v: 0 <= v <= 2, "must be between 0 and 2"),
-        top_p=_get(body, "top_p", (int, float), 1.0, lambda v: 0 < v <= 1, "must be in (0, 1]"),
-        top_k=_get(body, "top_k", (int,), -1, lambda v: v >= -1, "must be -1 (off) or at least 0"),
-        min_p=_get(body, "min_p", (int, float), 0.0, lambda v: 0 <= v <= 1, "must be between 0 and 1"),
-        seed=_get(body, "seed", (int,), None, lambda v: -(2**63) <= v < 2**63, "must fit in 64 bits"),
-        stop_token_ids=stop_ids,
-        ignore_eos=_get(body, "ignore_eos", (bool,), False),
-        presence_penalty=_get(body, "presence_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
-        frequency_penalty=_get(body, "frequency_penalty", (int, float), 0.0, lambda v: -2 <= v <= 2, "must be between -2 and 2"),
-        repetition_penalty=_get(body, "repetition_penalty", (int, float), 1.0, lambda v: 0 < v <= 2, "must be in (0, 2]"),
-        logprobs=logprobs,
-        # what the engine computes over the prompt: an echo with logprobs needs them too
-        prompt_logprobs=max((n for n in (prompt_logprobs, logprobs if echo else None) if n is not None), default=None),
-        priority=_get(body, "priority", (int,), 0, lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
-        logit_bias=_logit_bias(body, limits.vocab_size),
-    )
-    if params["priority"] and not limits.priorities:
+    if params.priority and not limits.priorities:
         raise ApiError("'priority' needs a server started with --schedule-policy priority", param="priority")
     return Completion(
         chat=chat,
@@ -328,7 +309,6 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         continuous_usage=continuous_usage,
         stop=stop,
         n=_get(body, "n", (int,), 1, lambda v: 1 <= v <= MAX_N, f"must be between 1 and {MAX_N}"),
-        logprobs=logprobs,
         echo=echo,
         prompt_logprobs=prompt_logprobs,
         echo_token_ids=_get(body, "return_token_ids", (bool,), False),
@@ -339,16 +319,44 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     )
 
 
+def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprobs: int | None) -> SamplingParams:
+    """The request's sampling: the fields' JSON types are checked here, their ranges by SamplingParams,
+    whose refusal becomes a 400 naming the field as the request sent it."""
+    given: dict[str, Any] = {name: value for name, kinds in SAMPLING_FIELDS.items() if (value := _get(body, name, kinds)) is not None}
+    # frames carry a seed as a 64-bit integer (offline, any integer seeds)
+    given["seed"] = _get(body, "seed", (int,), check=lambda v: -(2**63) <= v < 2**63, why="must fit in 64 bits")
+    sent_as = {"logprobs": "top_logprobs"} if chat else {}
+    max_tokens = _get(body, "max_tokens", (int,))
+    if chat and (newer := _get(body, "max_completion_tokens", (int,))) is not None:
+        max_tokens, sent_as["max_tokens"] = newer, "max_completion_tokens"  # OpenAI's newer name wins
+    if chat or max_tokens is not None:  # left out: the rest of the context for chat, SamplingParams' default for completions
+        given["max_tokens"] = max_tokens
+    stop_ids = _get(body, "stop_token_ids", (list,), default=[])
+    if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
+        raise ApiError(
+            f"'stop_token_ids' must be a list of up to {MAX_STOP_TOKEN_IDS} token ids below the vocabulary's {limits.vocab_size}",
+            param="stop_token_ids",
+        )
+    logprobs, bias = _logprobs(body, chat), _logit_bias(body, limits.vocab_size)
+    try:
+        params = SamplingParams(**given, stop_token_ids=stop_ids, logprobs=logprobs, prompt_logprobs=prompt_logprobs, logit_bias=bias)
+    except InvalidParams as exc:
+        name = sent_as.get(exc.param, exc.param)
+        raise ApiError(f"'{name}' {exc.why}", param=name) from None
+    if echo and params.logprobs is not None:  # the engine computes the prompt's log-probabilities for an echo's too
+        params = replace(params, prompt_logprobs=max(params.logprobs, params.prompt_logprobs or 0))
+    return params
+
+
 def _logit_bias(body: dict, vocab_size: int) -> list[list]:
-    """OpenAI's {"token id": bias}: ids in the vocabulary, biases in [-100, 100], added to the logits."""
+    """OpenAI's {"token id": bias}: ids in the vocabulary, biases added to the logits (SamplingParams bounds them)."""
     bias = _get(body, "logit_bias", (dict,), default={})
     out = []
     for key, value in bias.items():
         number = isinstance(value, int | float) and not isinstance(value, bool)
-        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size and number and abs(value) <= 100):
+        if not (key.isascii() and key.isdigit() and len(key) <= 9 and int(key) < vocab_size and number):
             raise ApiError(
-                f"'logit_bias' maps token ids below the vocabulary's {vocab_size} to biases in [-100, 100]; not {key!r}: {value!r}",
-                param="logit_bias",
+                f"'logit_bias' maps token ids below the vocabulary's {vocab_size} to numbers; not {key!r}: {value!r}", param="logit_bias"
             )
         out.append([int(key), float(value)])
     if len({token for token, _ in out}) < len(out):  # "7" and "07"
@@ -359,10 +367,10 @@ def _logit_bias(body: dict, vocab_size: int) -> list[list]:
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
-    in_range = dict(check=lambda v: 0 <= v <= MAX_LOGPROBS, why=f"must be between 0 and {MAX_LOGPROBS}")
+    """The alternatives asked for per token: completions' logprobs N, or chat's top_logprobs once logprobs is true."""
     if not chat:
-        return _get(body, "logprobs", (int,), **in_range)
-    top = _get(body, "top_logprobs", (int,), **in_range)
+        return _get(body, "logprobs", (int,))
+    top = _get(body, "top_logprobs", (int,))
     if not _get(body, "logprobs", (bool,), False):
         if top is not None:
             raise ApiError("'top_logprobs' needs 'logprobs' set to true", param="top_logprobs")

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
@@ -81,6 +81,8 @@ class Scheduler:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_position}")
         if self.config.pages_for(len(prompt_ids) + 1) > self.allocator.num_pages:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
+        if params.max_tokens is None:  # the rest of the context, as vLLM does
+            params = replace(params, max_tokens=self.max_position - len(prompt_ids))
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(rid, list(prompt_ids), params, seed, list(generated), pin=pin)
         self._queue(request, first=False)
