@@ -129,8 +129,13 @@ async def openai_errors(request: web.Request, handler):
     except RequestPayloadError as exc:  # a body that its Content-Encoding cannot decode
         return _json(ApiError(f"the request body could not be read: {exc}").body(), 400)
     except Exception as exc:  # a bug of ours: still an OpenAI-shaped answer, and the worker lives on
-        log.exception("handler_failed", path=request.path)
-        return _json(ApiError(f"internal error: {type(exc).__name__}", 500, kind="server_error").body(), 500)
+        return _json(_internal_error(exc, path=request.path).body(), 500)
+
+
+def _internal_error(exc: Exception, **where: str) -> ApiError:
+    """A bug of ours as OpenAI's 500, logged once at error level with its traceback (no locals: see runtime.obs.logs)."""
+    log.error("handler_failed", exc_info=exc, **where)
+    return ApiError(f"internal error: {type(exc).__name__}", 500, kind="server_error")
 
 
 def _raise_if_refused(delta: dict) -> None:
@@ -392,6 +397,8 @@ class Handlers:
         self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState], clock: RequestClock
     ) -> web.StreamResponse:
         first = await inbox.get()  # a refusal before any token is still a plain HTTP error
+        """The choices as server-sent events. A failure once the stream has begun ends it with an error
+        event and [DONE]: its 200 has gone out, so no second status line may follow."""
         _raise_if_refused(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": clock.rid})
         await response.prepare(request)
@@ -418,18 +425,21 @@ class Handlers:
                     chunk["usage"] = self._usage(c, choices) if c.continuous_usage else None
                 await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
                 delta = await inbox.get() if any(s.finish is None for s in choices.values()) else None
-        except ApiError as exc:  # after the stream began: an error event, then the end
-            log.info("failed", rid=clock.rid, status=exc.status, error=exc.message)
-            await response.write(b"data: " + orjson.dumps(exc.body()) + b"\n\n")
-            return response
         except ConnectionResetError:  # the client left; the caller's finally aborts what is unfinished
             return response
-        if c.include_usage:
-            await response.write(
-                b"data: " + orjson.dumps({**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}) + b"\n\n"
-            )
-        await response.write(b"data: [DONE]\n\n")
-        await response.write_eof()
+        except ApiError as exc:
+            log.info("failed", rid=clock.rid, status=exc.status, error=exc.message)
+            last = [exc.body()]
+        except Exception as exc:
+            last = [_internal_error(exc, rid=clock.rid, path=request.path).body()]
+        else:
+            last = [{**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}] if c.include_usage else []
+        try:
+            for data in [*map(orjson.dumps, last), b"[DONE]"]:
+                await response.write(b"data: " + data + b"\n\n")
+            await response.write_eof()
+        except ConnectionResetError:  # the client left meanwhile: nothing more to tell it
+            pass
         return response
 
     def _model_card(self) -> dict:

@@ -201,20 +201,26 @@ def test_overload_gets_503_at_once_and_accepted_requests_complete(served, tmp_pa
 
 
 def test_request_timeout_ends_a_request_with_408(served, tmp_path):
-    # 500 tokens (the tiny model's context is 512) take far longer than 0.1 s through the pipeline: 400 in 0.5 s
-    # had finished in time on a fast 2-core machine
-    server = launch(served, tmp_path / "serve.log", "--request-timeout", "0.1")
+    """Whole: a 408. Streamed, once the stream has begun: an SSE error event and [DONE] end it, in the
+    chunked body the 200 began (no second status line, which aiohttp would refuse to read)."""
+    # one request runs at a time: eight choices of 500 tokens (the tiny model's context is 512) take seconds
+    # through the pipeline (400 tokens took 0.5 s on a fast 2-core machine), the first token milliseconds
+    server = launch(served, tmp_path / "serve.log", "--request-timeout", "1", "--max-running-requests", "1")
     try:
-        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True}
+        body = {"model": server.model, "prompt": [5, 6, 7], "max_tokens": 500, "ignore_eos": True, "n": 8}
 
         async def call():
             async with aiohttp.ClientSession(server.base_url) as http:
-                slow = asyncio.create_task(http.post("/v1/completions", json=body))
-                async with await slow as reply:
-                    return reply.status, await reply.json()
+                async with http.post("/v1/completions", json={**body, "stream": True}) as reply:
+                    streamed = reply.status, await reply.read()
+                async with http.post("/v1/completions", json=body) as reply:
+                    return streamed, (reply.status, await reply.json())
 
-        status, answer = asyncio.run(call())
+        (stream_status, events), (status, answer) = asyncio.run(call())
         assert status == 408 and answer["error"]["code"] == "timeout"
+        *chunks, error, done = [line.removeprefix(b"data: ") for line in events.split(b"\n\n") if line]
+        assert stream_status == 200 and chunks and all(orjson.loads(chunk)["choices"] for chunk in chunks), events[-500:]
+        assert orjson.loads(error) == answer and done == b"[DONE]"
         wait_for(lambda: server.get("/server_info")["scheduler"]["running"] == 0, 10, "the timed-out request to be aborted")
     finally:
         assert server.stop() < 5
