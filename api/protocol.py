@@ -405,8 +405,8 @@ def logprobs_block(chat: bool, entries: list[dict], text_offset: int) -> dict:
     return {
         "tokens": [e["token"] for e in entries],
         "token_logprobs": [e["logprob"] for e in entries],
-        # an echoed prompt's first token has no log-probability, nor alternatives
-        "top_logprobs": [None if e["logprob"] is None else {t: lp for _, t, lp in e["top"]} for e in entries],
+        # the top N and the token itself (up to N + 1, as OpenAI and vLLM give); none at an echoed prompt's first token
+        "top_logprobs": [None if e["logprob"] is None else {t: lp for _, t, lp in e["top"]} | {e["token"]: e["logprob"]} for e in entries],
         "text_offset": offsets,
     }
 

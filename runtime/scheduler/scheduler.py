@@ -327,8 +327,9 @@ class Scheduler:
             request.confirmed = len(request.tokens) - 1  # every token before the one just drawn has its KV
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
-            if request.prompt_logprobs is None:  # a preempted request's recomputed prompt gives them again
-                request.prompt_logprobs = result.prompt_logprobs
+            if request.prompt_logprobs is None and request.params.prompt_logprobs is not None:
+                # a preempted request's recomputed prompt gives them again; a one-token prompt has no position to score
+                request.prompt_logprobs = result.prompt_logprobs or []
             if reason := self._finish_reason(request, result.token):
                 request.finish_reason = reason
                 self._finish(request)
