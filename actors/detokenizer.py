@@ -95,7 +95,7 @@ class DetokenizerActor(Actor):
         stream = self.streams.get(rid)
         if stream is None:  # finished here already (a stop string), or aborted
             return None
-        text, finish = self._advance(stream, new, item.finish)
+        text, finish, matched_stop = self._advance(stream, new, item.finish)
         logprobs = None if item.logprobs is None else self._logprob_entries(new, item.logprobs, stream.top_logprobs)
         usage = None
         if finish is not None:
@@ -109,23 +109,30 @@ class DetokenizerActor(Actor):
         abort = finish is not None and item.finish is None
         prompt = self._prompt(first, item.prompt_logprobs) if first is not None and first.detok.prompt else None
         resync = first is not None and first.resync
-        return Delta(rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=resync, prompt=prompt)
+        return Delta(
+            rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=resync, prompt=prompt, matched_stop=matched_stop
+        )
 
-    def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None]:
-        """Take in new ids: the text they release, and the finish (a stop string may end it here)."""
+    def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None, str | int | None]:
+        """Take in new ids: the text they release, the finish (a stop string may end it here), and what
+        matched for a "stop" finish: the stop string, or the token that ended it (EOS or a stop id)."""
         stream.completion_tokens += len(new)
-        shown = new[:-1] if finish == "stop" and new else new  # the stop token (EOS or a stop id) leaves no text, as in vLLM
+        matched: str | int | None = new[-1] if finish == "stop" and new else None
+        shown = new[:-1] if matched is not None else new  # the stop token leaves no text, as in vLLM
         released = "".join(self._text_of(stream, token) for token in shown)
         if stream.matcher is None:
-            return released, finish
+            return released, finish, matched
         text = stream.held + released  # the held text was fed already: feed only what is new
         if (start := stream.matcher.feed(released)) is not None:
-            text, finish = text[: len(stream.held) + start], "stop"
+            cut = len(stream.held) + start
+            # the first stop string to complete: of those that begin at the cut, the shortest
+            matched = min((stop for stop in stream.stop if text.startswith(stop, cut)), key=len)
+            text, finish = text[:cut], "stop"
             stream.held = ""
         elif finish is None:
             keep = stream.matcher.held
             text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
-        return text, finish
+        return text, finish, matched
 
     def _text_of(self, stream: Stream, token: int) -> str:
         """The text `token` releases. DecodeStream raises when the window's text stops extending what

@@ -219,12 +219,13 @@ class Delta:
     error: Refusal | None = None
     resync: bool = False  # the whole completion so far (Announce.resync), not only what is new
     prompt: dict | None = None  # with the first tokens when Detok.prompt: the prompt's text, and its logprobs if asked
+    matched_stop: str | int | None = None  # with a "stop" finish: the stop string, or the token (EOS or a stop id), that ended it
 
     def as_dict(self) -> dict:
         """The form api.app reads from a request's inbox."""
         if self.error is not None:
             return {"rid": self.rid, "error": {"message": self.error.message, "status": self.error.status, "param": self.error.param}}
-        out = {"rid": self.rid, "text": self.text, "token_ids": self.token_ids, "finish": self.finish}
+        out = {"rid": self.rid, "text": self.text, "token_ids": self.token_ids, "finish": self.finish, "matched_stop": self.matched_stop}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs
         if self.usage is not None:
@@ -237,21 +238,24 @@ class Delta:
 @dataclass(frozen=True)
 class Deltas(Payload):
     """One step's deltas for one api worker. Wire: [rid, text, token count, finish, abort, logprobs,
-    usage, error, resync, prompt] a delta; array: their token ids."""
+    usage, error, resync, prompt, matched stop] a delta; array: their token ids."""
 
     KIND = Kind.DELTAS
     deltas: list[Delta]
 
     def to_wire(self) -> Wire:
-        meta = [[d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error, d.resync, d.prompt] for d in self.deltas]
+        meta = [
+            [d.rid, d.text, len(d.token_ids), d.finish, d.abort, d.logprobs, d.usage, d.error, d.resync, d.prompt, d.matched_stop]
+            for d in self.deltas
+        ]
         return meta, [[t for d in self.deltas for t in d.token_ids]]
 
     @classmethod
     def from_wire(cls, meta: list, arrays: list) -> Deltas:
         tokens, deltas, at = arrays[0].tolist(), [], 0
-        for rid, text, n, finish, abort, logprobs, usage, error, resync, prompt in meta:
+        for rid, text, n, finish, abort, logprobs, usage, error, resync, prompt, matched_stop in meta:
             refusal = error and Refusal(**error)
-            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, refusal, resync, prompt))
+            deltas.append(Delta(rid, text, tokens[at : at + n], finish, abort, logprobs, usage, refusal, resync, prompt, matched_stop))
             at += n
         return cls(deltas)
 

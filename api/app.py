@@ -172,6 +172,7 @@ class ChoiceState:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
     finish: str | None = None
+    matched_stop: str | int | None = None  # what ended a "stop" finish: a stop string, or the token
     usage: dict | None = None
     started: bool = False
     token_chars: int = 0  # length of the token texts so far: where the next logprob's text_offset starts
@@ -344,7 +345,7 @@ class Handlers:
         state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))
         state.usage = delta.get("usage", state.usage)  # with the first tokens (prompt and cache), and with the finish
         if delta["finish"] is not None:
-            state.finish = delta["finish"]
+            state.finish, state.matched_stop = delta["finish"], delta["matched_stop"]
         clock.on_delta(state, delta)
         return state
 
@@ -387,7 +388,7 @@ class Handlers:
             text, parts, finish = self._parsed(self._chat_output(c), "".join(s.text), s.finish, stream=False)
             token_ids = s.token_ids if c.echo_token_ids else None
             text = echo_text + text if echo_text else text  # a chat message's content may be None (tool calls)
-            body = choice(c, s.index, text, finish, logprobs, token_ids, delta=False, parts=parts)
+            body = choice(c, s.index, text, finish, logprobs, token_ids, delta=False, parts=parts, matched_stop=s.matched_stop)
             out.append(body if c.chat else body | _prompt_logprobs(c, s))
         response = {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
         first = next(s for s in choices.values() if s.index == 0)
@@ -396,9 +397,9 @@ class Handlers:
     async def _stream(
         self, request: web.Request, c: Completion, inbox: asyncio.Queue, choices: dict[int, ChoiceState], clock: RequestClock
     ) -> web.StreamResponse:
-        first = await inbox.get()  # a refusal before any token is still a plain HTTP error
         """The choices as server-sent events. A failure once the stream has begun ends it with an error
         event and [DONE]: its 200 has gone out, so no second status line may follow."""
+        first = await inbox.get()  # a refusal before any token is still a plain HTTP error
         _raise_if_refused(first)
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Request-Id": clock.rid})
         await response.prepare(request)
@@ -415,7 +416,8 @@ class Handlers:
                 text, parts, finish = self._parsed(state.output, delta["text"], state.finish, stream=True)
                 first = not state.started
                 text = echo_text + text if echo_text else text
-                body = choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=first, parts=parts)
+                matched = state.matched_stop
+                body = choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=first, parts=parts, matched_stop=matched)
                 extra = _prompt_logprobs(c, state) if first else {}
                 chunk["choices"] = [body if c.chat else body | extra]
                 if c.chat:

@@ -437,8 +437,11 @@ def choice(
     delta: bool,
     first: bool = False,
     parts: dict | None = None,
+    matched_stop: str | int | None = None,
 ) -> dict:
-    """One choice of a response or a chunk; `parts`: a chat message's other fields (reasoning_content, tool_calls)."""
+    """One choice of a response or a chunk; `parts`: a chat message's other fields (reasoning_content, tool_calls);
+    `matched_stop`: SGLang's field, the stop string or token id that ended a "stop" choice (null for "length"),
+    on a whole choice and on a streamed choice's last chunk."""
     if c.chat:
         body = {"content": text} if delta else {"role": "assistant", "content": text}
         if parts:
@@ -448,6 +451,8 @@ def choice(
         out = {"index": index, ("delta" if delta else "message"): body, "logprobs": logprobs, "finish_reason": finish}
     else:
         out = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+    if not delta or finish is not None:
+        out["matched_stop"] = matched_stop
     if token_ids is not None:
         out["token_ids"] = token_ids
     return out

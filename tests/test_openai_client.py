@@ -1,12 +1,15 @@
 """`ringllm serve` through the official `openai` client, sync and async: chat and completions,
-whole and streamed (streamed text must equal the whole answer, each choice must finish once, usage
-only on the last chunk), n > 1, stop strings and stop token ids, seeds, logprobs, token-id prompts,
-prefix-cache reporting and the models list. Every request also checks that usage counts exactly
+whole and streamed (streamed text must equal the whole answer, each choice must finish once with
+SGLang's matched_stop on its last chunk, usage only on the last chunk and the same as the whole
+answer's), n > 1, stop strings and stop token ids, seeds, logprobs (top 0 too, echo and prompt
+logprobs of a one-token prompt), token-id prompts, prefix-cache reporting, the models list and the
+context-overflow wording clients match on. Every request also checks that usage counts exactly
 the tokens returned (`return_token_ids`), so the numbers a billing client reads are the real ones."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import inspect
 import re
 import uuid
@@ -30,6 +33,7 @@ class Choice:
     finish: str
     token_ids: list[int]
     logprobs: Any  # the response's logprobs object, or one per chunk when streamed
+    matched_stop: str | int | None  # the stop string or token that ended a "stop" choice
 
 
 @dataclass
@@ -51,7 +55,10 @@ def _whole(response: Any, chat: bool) -> Result:
         if chat:
             assert c.message.role == "assistant"
         assert c.finish_reason in FINISHES
-        choices.append(Choice(c.message.content if chat else c.text, c.finish_reason, c.model_extra["token_ids"], c.logprobs))
+        extra = c.model_extra
+        choices.append(
+            Choice(c.message.content if chat else c.text, c.finish_reason, extra["token_ids"], c.logprobs, extra["matched_stop"])
+        )
     return Result(choices, response.usage)
 
 
@@ -72,11 +79,12 @@ def _merge(chunks: list[Any], chat: bool) -> Result:
         seq = by_index[index]
         finishes = [c.finish_reason for c in seq]
         assert finishes[:-1] == [None] * (len(seq) - 1) and finishes[-1] in FINISHES, f"choice {index}: {finishes}"
+        assert ["matched_stop" in c.model_extra for c in seq] == [False] * (len(seq) - 1) + [True], "matched_stop on the last chunk only"
         if chat:
             assert [c.delta.role for c in seq] == ["assistant"] + [None] * (len(seq) - 1)
         text = "".join((c.delta.content if chat else c.text) or "" for c in seq)
         ids = [t for c in seq for t in c.model_extra["token_ids"]]
-        choices.append(Choice(text, finishes[-1], ids, [c.logprobs for c in seq]))
+        choices.append(Choice(text, finishes[-1], ids, [c.logprobs for c in seq], seq[-1].model_extra["matched_stop"]))
     return Result(choices, last.usage)
 
 
@@ -157,6 +165,7 @@ async def test_chat_stream_equals_whole(async_api: Api) -> None:
     assert "Paris" in whole.one.text
     assert streamed.one.text == whole.one.text and streamed.one.token_ids == whole.one.token_ids
     assert streamed.one.finish == whole.one.finish == "stop"
+    assert streamed.one.matched_stop == whole.one.matched_stop == whole.one.token_ids[-1]  # the EOS token
     assert streamed.usage.completion_tokens == len(streamed.one.token_ids)
     assert streamed.usage.prompt_tokens == whole.usage.prompt_tokens
 
@@ -166,7 +175,7 @@ async def test_completion_stream_equals_whole_and_stops_at_max_tokens(api: Api) 
     assert whole.one.text and streamed.one.text == whole.one.text
     assert streamed.one.token_ids == whole.one.token_ids
     for result in (whole, streamed):
-        assert result.one.finish == "length" and result.usage.completion_tokens == 8
+        assert result.one.finish == "length" and result.one.matched_stop is None and result.usage.completion_tokens == 8
         assert result.usage.prompt_tokens == whole.usage.prompt_tokens
 
 
@@ -205,7 +214,7 @@ async def test_stop_string_cuts_before_it(sync_api: Api, story: Choice, pick: Ca
     assert expected, f"stop {stop!r} must lie inside {story.text!r}"
     result = (await sync_api.create(stream=stream, prompt=STORY, stop=[stop], extra_body={"ignore_eos": True})).one
     assert result.text == expected and stop not in result.text
-    assert result.finish == "stop"
+    assert result.finish == "stop" and result.matched_stop == stop
     assert story.token_ids[: len(result.token_ids)] == result.token_ids and len(result.token_ids) < len(story.token_ids)
 
 
@@ -214,7 +223,7 @@ async def test_stop_token_id(sync_api: Api, story: Choice, stream: bool) -> None
     stop_id = story.token_ids[6]
     cut = story.token_ids.index(stop_id) + 1
     result = (await sync_api.create(stream=stream, prompt=STORY, extra_body={"ignore_eos": True, "stop_token_ids": [stop_id]})).one
-    assert result.finish == "stop"
+    assert result.finish == "stop" and result.matched_stop == stop_id
     assert result.token_ids == story.token_ids[:cut]  # the stop token is the last one returned
     assert story.text.startswith(result.text) and len(result.text) < len(story.text)
 
@@ -386,3 +395,59 @@ async def test_prompt_logprobs_past_their_bound_get_a_400_and_chat_refuses_echo(
     ).parse()
     positions = chat.model_extra["prompt_logprobs"]  # vLLM puts a chat request's on the response
     assert len(positions) == chat.usage.prompt_tokens and all(len(p) == 1 for p in positions[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_a_one_token_prompt_echoes_its_token_and_has_no_prompt_logprob(sync_api: Api, stream: bool) -> None:
+    """ "Hi" is one token: its prompt_logprobs are [None] (nothing comes before it, as vLLM gives), and an
+    echo with logprobs puts it first among the tokens, each token's text_offset pointing at it in the text."""
+    create = functools.partial(sync_api.client.completions.create, model=sync_api.model, prompt="Hi", max_tokens=3, temperature=0)
+    extra = {"prompt_logprobs": 1, "ignore_eos": True}
+    response = create(stream=stream, echo=True, logprobs=1, extra_body=extra)
+    choices = [c for chunk in response for c in chunk.choices] if stream else response.choices
+    text = "".join(c.text for c in choices)
+    tokens = [t for c in choices for t in c.logprobs.tokens]
+    logprobs, offsets = [lp for c in choices for lp in c.logprobs.token_logprobs], [o for c in choices for o in c.logprobs.text_offset]
+    assert choices[0].model_extra["prompt_logprobs"] == [None]
+    assert text.startswith("Hi") and tokens[0] == "Hi" and logprobs[0] is None and len(tokens) == 4
+    assert "".join(tokens) == text and [text[o : o + len(t)] for t, o in zip(tokens, offsets)] == tokens
+    assert all(lp <= 0 for lp in logprobs[1:])
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_zero_top_logprobs_give_the_drawn_tokens_own(sync_api: Api, stream: bool) -> None:
+    """Chat's top_logprobs 0: each token's log-probability and an empty top list; completions' logprobs 0:
+    each token's, its top dict holding only the token itself (vLLM's N + 1 with N = 0)."""
+    extra = {"extra_body": {"ignore_eos": True}}
+    chat = await sync_api.create(stream=stream, messages=CAPITAL, logprobs=True, top_logprobs=0, max_tokens=4, **extra)
+    entries = [e for block in (chat.one.logprobs if stream else [chat.one.logprobs]) for e in block.content]
+    assert len(entries) == 4 and all(e.top_logprobs == [] and e.logprob <= 0 for e in entries)
+    text = await sync_api.create(stream=stream, prompt=STORY, logprobs=0, max_tokens=4, **extra)
+    blocks = text.one.logprobs if stream else [text.one.logprobs]
+    drawn = [(t, lp, top) for b in blocks for t, lp, top in zip(b.tokens, b.token_logprobs, b.top_logprobs)]
+    assert len(drawn) == 4 and all(top == {token: logprob} for token, logprob, top in drawn)
+
+
+@pytest.mark.parametrize("chat", [True, False], ids=["chat", "completions"])
+async def test_usage_is_the_same_streamed_and_whole(sync_api: Api, chat: bool) -> None:
+    """The same fields and counts either way; a first request caches the prompt for both that follow."""
+    prompt = f"Session {uuid.uuid4().hex}: " + STORY * 20
+    ask = {"messages": [{"role": "user", "content": prompt}]} if chat else {"prompt": prompt}
+    await sync_api.create(**ask, max_tokens=1)
+    streamed, whole = [await sync_api.create(stream=s, **ask, max_tokens=3, extra_body={"ignore_eos": True}) for s in (True, False)]
+    assert streamed.usage.model_dump(exclude_unset=True) == whole.usage.model_dump(exclude_unset=True)
+    assert whole.usage.prompt_tokens_details.cached_tokens > 0
+
+
+async def test_context_overflow_is_worded_as_openai_and_vllm_word_it(sync_api: Api) -> None:
+    """Clients match on these words to shorten a conversation, on chat and completions alike."""
+    limit = sync_api.client.models.retrieve(sync_api.model).model_extra["max_model_len"]
+    for ask in ({"messages": CAPITAL}, {"prompt": STORY}):
+        prompt = (await sync_api.create(**ask, max_tokens=1)).usage.prompt_tokens
+        endpoint = sync_api.client.chat.completions if "messages" in ask else sync_api.client.completions
+        with pytest.raises(openai.BadRequestError) as refused:
+            endpoint.create(model=sync_api.model, max_tokens=limit, **ask)
+        assert refused.value.body["message"] == (
+            f"This model's maximum context length is {limit} tokens. However, you requested {prompt + limit} tokens "
+            f"({prompt} in the messages, {limit} in the completion). Please reduce the length of the messages or completion."
+        )

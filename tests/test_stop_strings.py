@@ -1,5 +1,6 @@
 """Stop strings: the Aho-Corasick matcher against a brute-force check, its cost with many long stop
-strings that nearly match, and the detokenizer's text through it (chunks, stop tokens, replays)."""
+strings that nearly match, and the detokenizer's text through it (chunks, stop tokens, replays) with what
+matched (the stop string, or the stop token)."""
 
 from __future__ import annotations
 
@@ -17,10 +18,17 @@ from runtime.text.stop_matcher import StopMatcher
 STOPS = st.lists(st.text(alphabet="ab", min_size=1, max_size=6), min_size=1, max_size=5)
 
 
-def first_match(text: str, stops: list[str]) -> int | None:
-    """Where `text` is cut: the stop string ending earliest, the longest among those ending together."""
+def first_stop(text: str, stops: list[str]) -> tuple[int, str] | None:
+    """Where `text` is cut, and by which stop string: the one ending earliest, the longest among those ending together."""
     found = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
-    return min(found)[1] if found else None
+    if not found:
+        return None
+    end, start = min(found)
+    return start, text[start:end]
+
+
+def first_match(text: str, stops: list[str]) -> int | None:
+    return None if (hit := first_stop(text, stops)) is None else hit[0]
 
 
 def could_begin(text: str, stops: list[str]) -> int:
@@ -65,16 +73,16 @@ def actor(vocab: list[str] = VOCAB) -> DetokenizerActor:
 
 def run(
     detok: DetokenizerActor, stops: list[str], chunks: list[list[int]], finish: str | None, generated: tuple[int, ...] | list[int] = ()
-) -> tuple[str, str | None, bool]:
-    """Push `chunks` of token ids through `_apply`, the last with `finish`: the text, finish and abort flag."""
-    text, final, abort = "", None, False
+) -> tuple[str, str | None, bool, str | int | None]:
+    """Push `chunks` of token ids through `_apply`, the last with `finish`: the text, finish, abort flag and matched stop."""
+    text, final, abort, matched = "", None, False, None
     for i, new in enumerate(chunks):
         announce = Announce(Detok(stops, True, 0), list(generated), 3, 0) if i == 0 else None
         item = TokenItem(1, finish if i == len(chunks) - 1 else None, new, announce=announce)
         if (delta := detok._apply(item)) is not None:
             text += delta.text
-            final, abort = delta.finish or final, abort or delta.abort
-    return text, final, abort
+            final, abort, matched = delta.finish or final, abort or delta.abort, delta.matched_stop
+    return text, final, abort, matched
 
 
 def split(tokens: list[int], sizes: list[int]) -> list[list[int]]:
@@ -97,9 +105,10 @@ def test_detokenizer_text_through_stop_strings(stops: list[str], tokens: list[in
     full = "".join(VOCAB[t] for t in shown)
     cut = first_match(full, stops)
     chunks = split(tokens, sizes)
-    text, final, abort = run(actor(), stops, chunks, finish)
+    text, final, abort, matched = run(actor(), stops, chunks, finish)
     assert text == (full if cut is None else full[:cut])
     assert final == ("stop" if cut is not None else finish)
+    assert matched == (first_stop(full, stops)[1] if cut is not None else tokens[-1] if finish == "stop" else None)
     before_last = "".join(VOCAB[t] for chunk in chunks[:-1] for t in chunk)
     assert abort == (first_match(before_last, stops) is not None)  # ended here, not by the scheduler: it must let go
 
@@ -108,30 +117,30 @@ def test_detokenizer_text_through_stop_strings(stops: list[str], tokens: list[in
 @given(stops=STOPS, tokens=TOKENS, sizes=SIZES, data=st.data())
 def test_a_replay_continues_where_the_client_was(stops: list[str], tokens: list[int], sizes: list[int], data) -> None:
     k = data.draw(st.integers(0, len(tokens) - 1))
-    seen, final, _ = run(actor(), stops, [[t] for t in tokens[:k]], None) if k else ("", None, False)
+    seen, final, _, _ = run(actor(), stops, [[t] for t in tokens[:k]], None) if k else ("", None, False, None)
     if final is not None:  # ended before the replay point: nothing to replay
         return
-    whole, whole_final, _ = run(actor(), stops, [[t] for t in tokens], "length")
-    rest, rest_final, _ = run(actor(), stops, split(tokens[k:], sizes), "length", generated=tokens[:k])
-    assert seen + rest == whole and rest_final == whole_final
+    whole, whole_final, _, whole_matched = run(actor(), stops, [[t] for t in tokens], "length")
+    rest, rest_final, _, rest_matched = run(actor(), stops, split(tokens[k:], sizes), "length", generated=tokens[:k])
+    assert seen + rest == whole and rest_final == whole_final and rest_matched == whole_matched
 
 
 def test_no_stop_strings_no_matcher() -> None:
     detok = actor()
-    assert run(detok, [], [[0, 3], [7]], None) == ("aabaaaa", None, False)
+    assert run(detok, [], [[0, 3], [7]], None) == ("aabaaaa", None, False, None)
     assert detok.streams[1].matcher is None and detok.streams[1].held == ""
 
 
 def test_held_text_is_released_at_a_stop_token() -> None:
     """A stop string that starts like the output and never completes: held, then released at EOS."""
     a, b, z = VOCAB.index("a"), VOCAB.index("b"), VOCAB.index("z")
-    assert run(actor(), ["abc"], [[a], [b], [z]], "stop") == ("ab", "stop", False)
-    assert run(actor(), ["abc"], [[a], [b]], "length") == ("ab", "length", False)
+    assert run(actor(), ["abc"], [[a], [b], [z]], "stop") == ("ab", "stop", False, z)
+    assert run(actor(), ["abc"], [[a], [b]], "length") == ("ab", "length", False, None)
 
 
 def test_multibyte_text_across_tokens() -> None:
     e, a = VOCAB.index("é"), VOCAB.index("a")
-    assert run(actor(), ["éaé"], [[a, e], [a], [e, a]], "length") == ("a", "stop", False)
+    assert run(actor(), ["éaé"], [[a, e], [a], [e, a]], "length") == ("a", "stop", False, "éaé")
 
 
 def elapsed(stops: list[str], chunks: list[list[int]]) -> float:
@@ -166,5 +175,5 @@ def test_smollm2_tokenizer(smollm2: Path) -> None:
     for stop in ("stop here", "のテ", "fé n", "nowhere"):
         expected = (full[: full.index(stop)], "stop") if stop in full else (full, "length")
         for sizes in ([1] * len(ids), [3] * len(ids)):
-            text, final, _ = run(detok, [stop], split(ids, sizes), "length")
-            assert (text, final) == expected, (stop, sizes)
+            text, final, _, matched = run(detok, [stop], split(ids, sizes), "length")
+            assert (text, final) == expected and matched == (stop if final == "stop" else None), (stop, sizes)
