@@ -3,7 +3,8 @@
 Built first where prompts are encoded (the tokenizer actor), so that a bad or oversized schema,
 regex or grammar is refused with a 400 before anything is scheduled; the engine builds it again
 from the same guide (cached) and compiles it against the vocabulary (runtime.structured.masks).
-xgrammar is imported on the first guide, not at start-up.
+Its JSON strings are kept strict, and a grammar that admits nothing is refused
+(runtime.structured.checks). xgrammar is imported on the first guide, not at start-up.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from typing import Any
 
 import orjson
 
+from runtime.structured.checks import Layout
+
 # what a guide can be: (kind, spec); the spec is a JSON string for json_schema and tools, text otherwise
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
+JSON_KINDS = ("json_schema", "json_object", "tools")  # whose strings keep to strict JSON (runtime.structured.checks)
 # tool-call output formats, as xgrammar's structural tags name them, by --tool-call-parser
 TOOL_FORMATS = {"hermes": "qwen_3", "qwen3": "qwen_3", "llama3_json": "llama"}
 # at most one whitespace character between JSON tokens: `{"a": 1}` and `{"a":1}` both pass, but a
 # model cannot stall in an endless run of blanks (which free JSON whitespace lets it do)
 MAX_WHITESPACE = 1
 MAX_MESSAGE_CHARS = 500
-# compiling takes about 0.4 s a MB of grammar against a 49k vocabulary on two cores, and the engine compiles
-# a new grammar between steps: this bounds that pause
+# compiling takes about 0.4 s a MB of grammar against a 49k vocabulary on two cores (keeping its strings strict
+# about 0.25 s more), and the engine builds and compiles a new grammar between steps: this bounds that pause
 MAX_GRAMMAR_BYTES = 4 << 20
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
@@ -39,7 +43,7 @@ def build_grammar(kind: str, spec: str) -> str:
     grammar = _build(kind, spec)
     if len(grammar) > MAX_GRAMMAR_BYTES:
         raise GuideError(
-            f"the {kind.replace('_', ' ')}'s grammar takes {len(grammar) / 2**20:.1f} MB, more than the {MAX_GRAMMAR_BYTES >> 20} MB "
+            f"the {_label(kind)}'s grammar takes {len(grammar) / 2**20:.1f} MB, more than the {MAX_GRAMMAR_BYTES >> 20} MB "
             "this server compiles (a schema's optional properties multiply it)"
         )
     return grammar
@@ -63,9 +67,18 @@ def _build(kind: str, spec: str) -> str:
             grammar = xgr.Grammar.from_ebnf(spec)
         else:
             grammar = xgr.Grammar.from_structural_tag(_tool_tag(orjson.loads(spec)))
+        if (layout := Layout.parse(grammar.serialize_json())) is None:
+            return grammar.serialize_json()
+        if kind in JSON_KINDS:
+            layout = layout.restrict_json_strings()
     except (RuntimeError, ValueError, TypeError, AssertionError, pydantic.ValidationError) as exc:
-        raise GuideError(f"the {kind.replace('_', ' ')} cannot be used: {_message(exc)}") from None
-    return grammar.serialize_json()
+        raise GuideError(f"the {_label(kind)} cannot be used: {_message(exc)}") from None
+    if (rule := layout.dead_rule()) is not None:
+        raise GuideError(
+            f"the {_label(kind)} admits no output: its rule '{rule}' can never end (it refers only to itself, or to "
+            "what admits nothing, such as an empty character class)"
+        )
+    return layout.dumps()
 
 
 def _tool_tag(spec: dict[str, Any]) -> Any:
@@ -90,6 +103,10 @@ def _tool_tag(spec: dict[str, Any]) -> Any:
         parts[-1] = TagsWithSeparatorFormat(tags=calls.tags, separator="\n", at_least_one=True, stop_after_first=calls.stop_after_first)
         tag.format = SequenceFormat(elements=parts) if len(parts) > 1 else parts[0]
     return tag
+
+
+def _label(kind: str) -> str:
+    return "forced tool call" if kind == "tools" else kind.replace("_", " ")
 
 
 def _message(exc: Exception) -> str:
