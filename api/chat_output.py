@@ -1,13 +1,14 @@
 """A chat choice's text as OpenAI's message parts: reasoning (--reasoning-parser) set apart from the
 answer, and tool calls (--tool-call-parser) read out of it, both as the text streams. Only text that
-may yet be part of a marker is held back; a call goes out whole once it has closed."""
+may yet be part of a marker is held back; a call's arguments stream as they are generated."""
 
 from __future__ import annotations
 
 import json
+import re
 import uuid
-
-import orjson
+from dataclasses import dataclass
+from typing import Any
 
 from runtime.structured.grammars import TOOL_FORMATS
 
@@ -20,6 +21,9 @@ DEFAULT_TOOL_CALL_PARSER = "hermes"  # unless --tool-call-parser says otherwise
 # hermes and qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>; llama3_json: {"name": ..., "parameters": {...}}
 JSON = json.JSONDecoder()
 CALL_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3": ("<tool_call>", "</tool_call>"), "llama3_json": ('{"name"', None)}
+# a call's text up to its arguments' opening brace: what lets it stream (other key orders go out whole)
+HEADER = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"\\]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*(?=\{)')
+BLANKS = re.compile(r"[ \t\n\r]*")
 
 
 def held_prefix(text: str, marker: str) -> int:
@@ -73,19 +77,57 @@ class ReasoningSplitter:
         return "", "" if self.state == "after" else held
 
 
+@dataclass
+class _Streamed:
+    """A call whose arguments are streaming, and where its JSON stands (depth 1: inside the call's object)."""
+
+    index: int
+    depth: int = 1
+    in_string: bool = False
+    escaped: bool = False
+    arguments_done: bool = False
+
+    def scan(self, text: str, depth: int) -> int | None:
+        """Follows `text`; where the JSON comes back to `depth` (just past that bracket), or None if it does not."""
+        for at, char in enumerate(text):
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif char == "\\":
+                    self.escaped = True
+                elif char == '"':
+                    self.in_string = False
+            elif char == '"':
+                self.in_string = True
+            elif char in "{[":
+                self.depth += 1
+            elif char in "}]":
+                self.depth -= 1
+                if self.depth == depth:
+                    return at + 1
+        return None
+
+
 class ToolCallParser:
-    """Gives (content, calls) of the answer fed so far; a call whose text does not parse, or that names
-    no tool of the request, stays content."""
+    """Gives (content, call deltas) of the answer fed so far. A call streams as it is generated, as vLLM
+    and SGLang stream theirs: a first delta (index, id, type, name) once its text has named a tool of
+    the request and opened its arguments' object, then the arguments' text as it comes, verbatim, so
+    the fragments joined are the generated JSON. Such a call stays a call even if it never closes (the
+    finish reason says so). A call that opens otherwise goes out whole once it closes, if it parses and
+    names a tool of the request; else it is content. Deltas of one call within one feed come merged."""
 
     def __init__(self, parser: str, names: set[str]) -> None:
         self.begin, self.end = CALL_MARKERS[parser]
         self.names = names
         self.held, self.inside = "", False
+        self.streamed: _Streamed | None = None
+        self.calls = 0  # calls begun
         self.after_call = 0  # 1 just after a call, 2 after its "; " separator too
 
     def feed(self, text: str) -> tuple[str, list[dict]]:
         self.held += text
-        content, calls = [], []
+        content: list[str] = []
+        deltas: dict[int, dict] = {}
         while True:
             if self.after_call:  # newlines after a call, and a "; " between calls, are neither calls nor content
                 self.held = self.held.lstrip("\n" if self.after_call == 1 else " \n")
@@ -101,13 +143,54 @@ class ToolCallParser:
                     break
                 content.append(self.held[:at])
                 self.held, self.inside = self.held[at:], True
-            if (closed := self._close()) is None:
+            if self.streamed is None and not self._open(deltas):
+                if (closed := self._close()) is None:
+                    break
+                call, text = closed
+                if call is not None:
+                    deltas[self.calls] = {"index": self.calls, **call}
+                    self.calls += 1
+                content += [] if call else [text]
+                self.after_call = 1 if call is not None else 0
+            elif not self._stream(deltas):
                 break
-            call, text = closed
-            calls += [call] if call else []
-            content += [] if call else [text]
-            self.after_call = 1 if call is not None else 0
-        return "".join(content), calls
+        return "".join(content), list(deltas.values())
+
+    def _open(self, deltas: dict[int, dict]) -> bool:
+        """Begins streaming the held call if its text has named a tool of the request and opened its arguments."""
+        header = HEADER.match(self.held, len(self.begin) if self.end is not None else 0)
+        if header is None or header[1] not in self.names:
+            return False
+        self.streamed, self.held = _Streamed(self.calls), self.held[header.end() :]
+        deltas[self.calls] = {"index": self.calls, **_call_delta(header[1], "")}
+        self.calls += 1
+        return True
+
+    def _stream(self, deltas: dict[int, dict]) -> bool:
+        """Passes on the streaming call's new arguments text; True once the call has closed."""
+        streamed = self.streamed
+        if not streamed.arguments_done:
+            end = streamed.scan(self.held, 1)
+            cut = len(self.held) if end is None else end
+            if cut:
+                delta = deltas.setdefault(streamed.index, {"index": streamed.index, "function": {"arguments": ""}})
+                delta["function"]["arguments"] += self.held[:cut]
+            self.held = self.held[cut:]
+            if end is None:
+                return False
+            streamed.arguments_done = True
+        if self.end is not None:  # the rest of the call's object, then its end marker
+            end = self.held.find(self.end)
+            if end < 0:
+                return False
+            self.held = self.held[end + len(self.end) :]
+        else:  # the rest of the call's object, followed as it comes
+            end = streamed.scan(self.held, 0)
+            self.held = "" if end is None else self.held[end:]
+            if end is None:
+                return False
+        self.inside, self.streamed, self.after_call = False, None, 1
+        return True
 
     def _close(self) -> tuple[dict | None, str] | None:
         """The held call, once its text is complete: (the call or None if it does not parse, its text)."""
@@ -127,21 +210,43 @@ class ToolCallParser:
         return (call if call is not None and call["function"]["name"] in self.names else None), text
 
     def finish(self) -> str:
-        """The text still held, at the end: an unclosed call is content."""
+        """The text still held, at the end: an unclosed call is content, unless it has begun streaming."""
         held, self.held, self.inside = self.held, "", False
-        return held
+        streaming, self.streamed = self.streamed, None
+        return "" if streaming else held
+
+
+def _call_delta(name: str, arguments: str) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _call(body: str) -> dict | None:
+    """A whole call from its JSON text: its arguments as generated (a string's value if they are one)."""
+    members = _members(body)
+    if members is None or not isinstance(members.get("name", (None,))[0], str):
+        return None
+    if (arguments := members.get("arguments", members.get("parameters"))) is None:
+        return None
+    value, text = arguments
+    return _call_delta(members["name"][0], value if isinstance(value, str) else text)
+
+
+def _members(text: str) -> dict[str, tuple[Any, str]] | None:
+    """A JSON object's members as (value, the value's text), or None if `text` is not one object."""
     try:
-        parsed = orjson.loads(body)
-    except orjson.JSONDecodeError:
+        if not isinstance(JSON.decode(text), dict):
+            return None
+    except json.JSONDecodeError:
         return None
-    if not isinstance(parsed, dict) or not isinstance(parsed.get("name"), str) or not {"arguments", "parameters"} & parsed.keys():
-        return None
-    arguments = parsed.get("arguments", parsed.get("parameters"))
-    arguments = arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode()
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": parsed["name"], "arguments": arguments}}
+    members, at = {}, BLANKS.match(text, text.index("{") + 1).end()
+    while text[at] != "}":
+        key, at = JSON.raw_decode(text, at)
+        at = BLANKS.match(text, BLANKS.match(text, at).end() + 1).end()  # past the colon
+        value, end = JSON.raw_decode(text, at)
+        members[key] = (value, text[at:end])
+        at = BLANKS.match(text, end).end()
+        at = BLANKS.match(text, at + 1).end() if text[at] == "," else at
+    return members
 
 
 class ChatOutput:
@@ -150,7 +255,11 @@ class ChatOutput:
     def __init__(self, reasoning_parser: str | None, tool_call_parser: str | None, tool_names: set[str], constrained: bool) -> None:
         self.reasoning = ReasoningSplitter(reasoning_parser, constrained) if reasoning_parser else None
         self.tools = ToolCallParser(tool_call_parser, tool_names) if tool_call_parser else None
-        self.calls = 0
+
+    @property
+    def calls(self) -> int:
+        """How many tool calls the choice has begun."""
+        return self.tools.calls if self.tools else 0
 
     def feed(self, text: str, final: bool) -> dict:
         reasoning, content = self.reasoning.feed(text) if self.reasoning else ("", text)
@@ -166,6 +275,5 @@ class ChatOutput:
         if reasoning:
             parts["reasoning_content"] = reasoning
         if calls:
-            parts["tool_calls"] = [{"index": self.calls + i, **call} for i, call in enumerate(calls)]
-            self.calls += len(calls)
+            parts["tool_calls"] = calls
         return parts

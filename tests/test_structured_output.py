@@ -6,6 +6,7 @@ middle of constrained streams: tests/test_recovery.py, benchmarks.chaos --guided
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,6 +17,8 @@ import orjson
 import pytest
 
 from tests.conftest import Server, launch, with_tokenizer
+
+pytestmark = pytest.mark.slow  # grammars compiled for dozens of requests through two servers
 
 SCHEMA = {
     "type": "object",
@@ -73,6 +76,7 @@ TEMPLATE = """{%- if tools %}<|im_start|>system
 
 {% endif %}{% endif %}"""
 HELLO = [{"role": "user", "content": "Describe someone."}]
+CYCLE = {"$defs": {"a": {"$ref": "#/$defs/a"}}, "$ref": "#/$defs/a"}
 NESTED: dict = {}
 for _ in range(300):
     NESTED = {"type": "object", "properties": {"x": NESTED}}
@@ -95,6 +99,16 @@ def guided(guided_model, tmp_path_factory) -> Iterator[Server]:
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def guided_wide(guided_model, tmp_path_factory) -> Iterator[Server]:
+    """The same model and template, with room for 48 requests at once (`guided` runs two)."""
+    server = launch(
+        guided_model, tmp_path_factory.mktemp("guided") / "wide.log", "--reasoning-parser", "qwen3", "--max-running-requests", "48"
+    )
+    yield server
+    server.stop()
+
+
 def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
@@ -113,6 +127,141 @@ def test_json_schema_outputs_validate_with_n_choices_and_streamed(guided):
             texts[choice.index] += choice.text
     for text in texts:
         jsonschema.validate(orjson.loads(text), SCHEMA)
+
+
+# bounded schemas (strings, arrays and numbers all have limits): every output ends within max_tokens
+VARIED = {
+    "person": SCHEMA,
+    "strings": {
+        "type": "object",
+        "properties": {
+            "short": {"type": "string", "minLength": 1, "maxLength": 6},
+            "code": {"type": "string", "pattern": "^[a-z]{2,5}-[0-9]{2}$"},
+            "color": {"type": "string", "enum": ["red", "light blue"]},
+            "kind": {"const": "fixed"},
+            "day": {"type": "string", "format": "date"},
+            "id": {"type": "string", "format": "uuid"},
+            "ip": {"type": "string", "format": "ipv4"},
+        },
+        "required": ["short", "code", "color", "kind", "day", "id", "ip"],
+        "additionalProperties": False,
+    },
+    "nested": {
+        "type": "object",
+        "properties": {
+            "user": {
+                "type": "object",
+                "properties": {
+                    "id": {"type": "integer", "minimum": 1, "maximum": 999},
+                    "nick": {"type": "string", "minLength": 2, "maxLength": 8},
+                },
+                "required": ["id", "nick"],
+                "additionalProperties": False,
+            },
+            "active": {"type": "boolean"},
+        },
+        "required": ["user", "active"],
+        "additionalProperties": False,
+    },
+    "points": {
+        "type": "object",
+        "properties": {
+            "points": {
+                "type": "array",
+                "minItems": 1,
+                "maxItems": 3,
+                "items": {
+                    "type": "object",
+                    "properties": {"x": {"type": "integer", "minimum": -9, "maximum": 9}, "label": {"type": "string", "maxLength": 4}},
+                    "required": ["x", "label"],
+                    "additionalProperties": False,
+                },
+            }
+        },
+        "required": ["points"],
+        "additionalProperties": False,
+    },
+    "matrix": {
+        "type": "array",
+        "maxItems": 2,
+        "items": {"type": "array", "minItems": 1, "maxItems": 3, "items": {"type": "integer", "minimum": 0, "maximum": 9}},
+    },
+    "numbers": {
+        "type": "object",
+        "properties": {
+            "price": {"type": "number", "minimum": 0, "maximum": 100},
+            "qty": {"type": "integer", "minimum": 1, "maximum": 20},
+            "ratio": {"type": "number", "minimum": -1, "maximum": 1},
+        },
+        "required": ["price", "qty", "ratio"],
+        "additionalProperties": False,
+    },
+    "nullable": {
+        "type": "object",
+        "properties": {
+            "note": {"anyOf": [{"type": "string", "maxLength": 10}, {"type": "null"}]},
+            "count": {"type": ["integer", "null"], "minimum": 0, "maximum": 9},
+        },
+        "required": ["note", "count"],
+        "additionalProperties": False,
+    },
+    "flags": {
+        "type": "object",
+        "properties": {
+            "ok": {"type": "boolean"},
+            "level": {"enum": [1, 2, 3, "high", None]},
+            "flags": {"type": "array", "items": {"type": "boolean"}, "maxItems": 4},
+        },
+        "required": ["ok", "level", "flags"],
+        "additionalProperties": False,
+    },
+    "optional": {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "minLength": 2, "maxLength": 4},
+            "b": {"type": "string", "maxLength": 1},
+            "c": {"type": "integer", "minimum": 0, "maximum": 5},
+        },
+        "required": ["a"],
+        "additionalProperties": False,
+    },
+    "words": {"type": "array", "minItems": 1, "maxItems": 4, "items": {"type": "string", "pattern": "^[A-Za-z ]{1,6}$"}},
+}
+# per schema: (n, streamed) of each request, 20 outputs in all
+VARIED_REQUESTS = [(1, False)] * 6 + [(4, False)] * 2 + [(1, True)] * 2 + [(4, True)]
+
+
+async def test_200_json_schema_outputs_of_varied_schemas_parse_and_validate(guided_wide):
+    """200 outputs of VARIED, n=1 and n=4, streamed and not, sent at once: each one finishes, parses with
+    json.loads (strict: no raw control character in a string) and validates. Greedy draws from prompts
+    that differ: on CPU a greedy step skips the sampler's noise, which costs more than the model."""
+    http = openai.AsyncOpenAI(base_url=f"{guided_wide.base_url}/v1", api_key="none", max_retries=0)
+
+    async def outputs(name: str, at: int, n: int, stream: bool) -> list[tuple[str, str | None, str]]:
+        fmt = {"type": "json_schema", "json_schema": {"name": name, "schema": VARIED[name]}}
+        messages = [{"role": "user", "content": f"Describe someone, {at}."}]
+        ask = dict(model=guided_wide.model, messages=messages, n=n, max_tokens=400, temperature=0, response_format=fmt)
+        if not stream:
+            answer = await http.chat.completions.create(**ask)
+            return [(name, c.finish_reason, c.message.content) for c in answer.choices]
+        texts, finishes = [""] * n, [None] * n
+        async for chunk in await http.chat.completions.create(**ask, stream=True):
+            for c in chunk.choices:
+                texts[c.index] += c.delta.content or ""
+                finishes[c.index] = c.finish_reason or finishes[c.index]
+        return [(name, finish, text) for finish, text in zip(finishes, texts)]
+
+    asks = [(name, 100 * i + j, *request) for i, name in enumerate(VARIED) for j, request in enumerate(VARIED_REQUESTS)]
+    done = [o for many in await asyncio.gather(*(outputs(*ask) for ask in asks)) for o in many]
+    assert len(done) == 200
+    failed = []
+    for name, finish, text in done:
+        try:
+            assert finish == "stop", f"finish {finish}"
+            jsonschema.validate(json.loads(text), VARIED[name])
+        except (AssertionError, ValueError, jsonschema.ValidationError) as exc:
+            failed.append((name, text, str(exc)[:200]))
+    assert not failed, failed
 
 
 CHOICES = ["red", "green", "light blue"]
@@ -181,6 +330,13 @@ BAD = {
     ),
     "a schema nested past what can be sent on": ({"guided_json": NESTED}, "cannot be used"),
     "continuing a message while adding a generation prompt": ({"continue_final_message": True}, "add_generation_prompt"),
+    "a schema whose $ref points to itself": ({"guided_json": CYCLE}, "admits no output"),
+    "EBNF rules that refer only to each other": ({"guided_grammar": "root ::= a\na ::= b\nb ::= a"}, "admits no output"),
+    "a regex of no character": ({"guided_regex": "[^\\x00-\\U0010FFFF]"}, "admits no output"),
+    "a forced tool whose parameters point to themselves": (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": CYCLE}}], "tool_choice": "required"},
+        "admits no output",
+    ),
 }
 
 
@@ -223,11 +379,45 @@ def test_forced_tool_calls_validate_whole_and_streamed(guided, tool_choice):
             for chunk in client(guided).chat.completions.create(**ask, stream=True):
                 streamed += chunk.choices[0].delta.tool_calls or []
                 finish = chunk.choices[0].finish_reason or finish
-            assert finish == "tool_calls" and [c.index for c in streamed] == [0]
-            assert (streamed[0].function.name, streamed[0].function.arguments) == (
-                message.tool_calls[0].function.name,
-                message.tool_calls[0].function.arguments,
-            )
+            assert finish == "tool_calls" and {c.index for c in streamed} == {0} and streamed[0].id.startswith("call_")
+            arguments = "".join(c.function.arguments or "" for c in streamed)
+            assert (streamed[0].function.name, arguments) == (message.tool_calls[0].function.name, message.tool_calls[0].function.arguments)
+
+
+COUNT = [
+    {
+        "type": "function",
+        "function": {
+            "name": "count",
+            "parameters": {
+                "type": "object",
+                "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                "required": ["a", "b"],
+                "additionalProperties": False,
+            },
+        },
+    }
+]
+
+
+def test_tool_arguments_are_the_generated_text_and_stream_as_generated(guided, guided_model):
+    """The arguments are the model's JSON as generated (blanks, integers and all), and stream in
+    fragments after a first delta that names the call."""
+    from transformers import AutoTokenizer
+
+    ask = dict(model=guided.model, messages=HELLO, tools=COUNT, tool_choice={"type": "function", "function": {"name": "count"}})
+    ask |= dict(max_tokens=60, seed=16, extra_body={"return_token_ids": True})
+    whole = client(guided).chat.completions.create(**ask).choices[0]
+    (call,) = whole.message.tool_calls
+    assert (
+        whole.finish_reason == "tool_calls"
+        and call.function.arguments.strip() != orjson.dumps(orjson.loads(call.function.arguments)).decode()
+    )
+    assert call.function.arguments in AutoTokenizer.from_pretrained(guided_model).decode(whole.model_extra["token_ids"])
+    assert all(type(value) is int for value in orjson.loads(call.function.arguments).values())
+    streamed = [c for chunk in client(guided).chat.completions.create(**ask, stream=True) for c in chunk.choices[0].delta.tool_calls or []]
+    assert (streamed[0].id[:5], streamed[0].function.name) == ("call_", "count") and all(c.id is None for c in streamed[1:])
+    assert len(streamed) > 3 and "".join(c.function.arguments for c in streamed) == call.function.arguments
 
 
 def test_tools_tool_results_and_template_options_reach_the_template(guided, guided_model):
@@ -300,17 +490,40 @@ def test_logit_bias_moves_greedy_draws_and_is_checked(guided):
             client(guided).completions.create(**ask, logit_bias=bad)
 
 
+CALL_TEXTS = {  # per parser: the output, the content left, each call's name and arguments
+    "llama3_json": (
+        '{"name": "Alice", "age": 3} then {"name": "add", "parameters": {"a": 322074169996479800000, "b": [1, {"c": "}"}]}}; '
+        '{"name": "mul", "parameters": {}} end',
+        '{"name": "Alice", "age": 3} then {"name": "mul", "parameters": {}} end',
+        [("add", '{"a": 322074169996479800000, "b": [1, {"c": "}"}]}')],
+    ),
+    "hermes": (
+        'Hi <tool_call>\n{"name": "add", "arguments": {"a": 1,\t"b": "x}\\"{"}}\n</tool_call>\n'
+        '<tool_call>{"arguments": {"a": 2e3}, "name": "add"}</tool_call> <tool_call>{"name": "mul", "arguments": {}}</tool_call>',
+        'Hi  <tool_call>{"name": "mul", "arguments": {}}</tool_call>',
+        [("add", '{"a": 1,\t"b": "x}\\"{"}'), ("add", '{"a": 2e3}')],
+    ),
+}
+
+
 @pytest.mark.parametrize("size", [1, 3, 1000])
-def test_only_calls_of_the_requests_tools_leave_the_content(size):
-    """JSON that names no tool of the request, or has no arguments, is content, however the text is cut."""
+@pytest.mark.parametrize("parser", CALL_TEXTS)
+def test_only_calls_of_the_requests_tools_leave_the_content(parser, size):
+    """JSON that names no tool of the request, or has no arguments, is content, however the text is cut;
+    a call's arguments are its text as generated (an integer past 64 bits stays an integer), streamed as
+    fed once the call has named its tool; a call whose keys come the other way goes out whole."""
     from api.chat_output import ChatOutput
 
-    text = '{"name": "Alice", "age": 3} then {"name": "add", "parameters": {"a": 1}}; {"name": "mul", "parameters": {}} end'
-    out = ChatOutput(None, "llama3_json", {"add"}, constrained=False)
+    text, content, expected = CALL_TEXTS[parser]
+    out = ChatOutput(None, parser, {"add"}, constrained=False)
     pieces = [text[i : i + size] for i in range(0, len(text), size)]
     parts = [out.feed(piece, final=i == len(pieces) - 1) for i, piece in enumerate(pieces)]
-    assert "".join(p["content"] for p in parts) == '{"name": "Alice", "age": 3} then {"name": "mul", "parameters": {}} end'
-    assert [(c["function"]["name"], c["function"]["arguments"]) for p in parts for c in p.get("tool_calls", [])] == [("add", '{"a":1}')]
+    assert "".join(p["content"] for p in parts) == content
+    calls: dict[int, list[dict]] = {}
+    for delta in (d for p in parts for d in p.get("tool_calls", [])):
+        calls.setdefault(delta["index"], []).append(delta["function"])
+    assert [(c[0]["name"], "".join(f["arguments"] for f in c)) for c in calls.values()] == expected
+    assert (len(calls[0]) > 1) == (size < len(text))  # one delta only when the whole text came at once
 
 
 async def test_priorities_order_a_saturated_queue(guided):
