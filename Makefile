@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 # xgrammar without its triton requirement, which only its GPU mask kernel uses (CUDA builds of torch bring triton)
 XGRAMMAR ?= xgrammar==0.2.8
 
-.PHONY: venv serve test lint bench-transport
+.PHONY: venv serve test test-fast lint bench-transport
 
 venv: $(VENV)/.installed
 
@@ -27,6 +27,12 @@ serve: venv
 
 test: venv lint
 	$(PY) -m pytest -q
+
+# What `make test` runs less the slow and the GPU tests: every layer (ring, scheduler, engine, radix
+# cache, router, parity, one server) in about a minute. One torch thread: the tiny models gain nothing
+# from more, and on a busy machine threads that spin for each other make every op many times slower.
+test-fast: venv lint
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu"
 
 lint: venv
 	$(VENV)/bin/ruff check .

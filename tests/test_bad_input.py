@@ -26,6 +26,8 @@ import aiohttp
 import orjson
 import pytest
 
+pytestmark = pytest.mark.slow  # every case goes through the session's SmolLM2 server
+
 VOCAB, CONTEXT = 49152, 8192
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 DROP, MODEL = object(), object()  # a field to leave out; the served model's name

@@ -13,6 +13,8 @@ from benchmarks.offline import workload
 from tests.conftest import ROOT, ringllm, wait_for
 from transport.segment import list_segments, server_prefix
 
+pytestmark = pytest.mark.slow  # whole benchmark runs, each with a server of its own
+
 SMALL = ("--requests", "6", "--input-len", "5", "40", "--output-len", "4", "12", "--device", "cpu")
 
 

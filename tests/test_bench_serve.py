@@ -15,6 +15,8 @@ from benchmarks.serve import arrival_times, make_prompts, parse_args, run_benchm
 from runtime.models.source import load_tokenizer
 from tests.conftest import ringllm
 
+pytestmark = pytest.mark.slow  # whole benchmark runs against a server
+
 SMALL = ["--num-prompts", "8", "--random-input-len", "32", "--random-output-len", "8", "--ignore-eos", "--disable-tqdm"]
 VLLM_KEYS = {
     "date",

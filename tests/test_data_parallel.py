@@ -40,6 +40,7 @@ async def _complete(server, prompt: list[int]) -> dict:
             return await reply.json()
 
 
+@pytest.mark.slow
 def test_repeats_of_a_prefix_land_on_the_replica_that_caches_it_and_new_prompts_spread(server):
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
     assert [r["name"] for r in rows if r["kind"] in ("scheduler", "engine")] == ["scheduler0", "scheduler1", "engine0", "engine1"]
@@ -88,6 +89,7 @@ async def _streams(server, victim: int | None = None) -> list[str]:
         return texts
 
 
+@pytest.mark.slow
 def test_a_dead_replica_loses_and_changes_no_stream(server):
     """Last of the module: it stops the shared server itself, since the restart leaves new processes."""
     reference = asyncio.run(_streams(server))

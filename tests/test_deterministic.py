@@ -23,7 +23,10 @@ from tests.tiny_models import build
 CPU = pytest.param("cpu", marks=pytest.mark.skipif(not cpu_kernels.available(), reason="needs ringllm's CPU kernels"))
 CUDA = pytest.param(
     "cuda",
-    marks=pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"),
+    marks=[
+        pytest.mark.gpu,
+        pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0), reason="needs a Hopper GPU"),
+    ],
 )
 
 
@@ -82,6 +85,7 @@ def test_deterministic_inference_refuses_a_sparse_model(tiny_model):
         LLM(tiny_model("qwen3_moe"), deterministic=True)
 
 
+@pytest.mark.slow
 def test_a_served_request_is_bitwise_the_same_alone_and_among_fifteen_others(tiny_model, smollm2, tmp_path):
     model = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
     server = launch(model, tmp_path / "serve.log", "--enable-deterministic-inference")

@@ -61,6 +61,7 @@ def test_preemption_recomputes_and_gives_identical_output(tiny_model):
     assert all_pages_free(tight)
 
 
+@pytest.mark.slow
 def test_planning_further_ahead_changes_no_token(tiny_model):
     """CUDA plans two steps ahead of the results and CPU one: every depth must give the same tokens
     through stops mid-flight, penalties, a shared prefix and preemption in a pool that is too small."""

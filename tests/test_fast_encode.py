@@ -15,6 +15,8 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from runtime.text.fast_encode import MAX_CHARS, SAMPLE, fast_encoder, nfc_between
 
+pytestmark = pytest.mark.slow  # real tokenizers, each compared with transformers over many texts
+
 QWEN_PATTERN = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 

@@ -75,6 +75,7 @@ def test_fp8_checkpoint_gives_the_tokens_of_its_dequantized_weights(checkpoints,
     print(f"FP8 {arch} page {page_size}: near-ties {near_ties}")
 
 
+@pytest.mark.slow
 def test_fp8_checkpoint_split_over_two_ranks(checkpoints):
     fp8_dir, _ = checkpoints["qwen3"]
     prompts = [[(7 * i + j) % 500 + 3 for i in range(30)] for j in range(3)]

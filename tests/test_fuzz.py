@@ -13,6 +13,8 @@ from hypothesis import strategies as st
 
 from tests.conftest import launch, ringllm, with_tokenizer
 
+pytestmark = pytest.mark.slow  # a server under a fuzzer's requests
+
 CASES = 1200
 
 scalars = st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False, allow_infinity=False) | st.text(max_size=24)

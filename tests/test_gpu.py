@@ -17,7 +17,7 @@ from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 from tests.tiny_models import build
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 pytest.importorskip("flashinfer")
 
 HEADS, HEAD_DIM, PAGE, POOL_PAGES = 16, 128, 16, 256

@@ -24,6 +24,8 @@ import pytest
 from runtime.models.source import load_tokenizer
 from tests.conftest import ringllm
 
+pytestmark = pytest.mark.slow  # a server under hostile load
+
 COMPLETIONS = "/v1/completions"
 TIMEOUT = aiohttp.ClientTimeout(total=120)
 LONG_CHARS = 100_000  # within the byte bound and the ring, far over the 8,192-token context

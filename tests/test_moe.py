@@ -26,6 +26,7 @@ def test_the_router_layout_comes_from_config_json(tiny_model):
     assert [moe.is_sparse(layer) for layer in range(4)] == [False, True, False, False]
 
 
+@pytest.mark.slow
 def test_serving_gives_transformers_tokens_and_reports_expert_load(tiny_model, smollm2, tmp_path):
     """Over an FP8 KV cache, the tokens of transformers whose keys and values are rounded to float8,
     both times (the second from the prefix cache); /server_info shows the pool's dtype and tokens."""

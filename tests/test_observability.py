@@ -13,6 +13,7 @@ import uuid
 
 import aiohttp
 import orjson
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import parse_args, run_benchmark
@@ -60,6 +61,7 @@ def trace(log, rid: str) -> dict:
     return wait_for(finished, 10, f"the trace of {rid} to be complete")
 
 
+@pytest.mark.slow
 def test_a_request_is_traced_across_every_actor_in_order(smol_server):
     wanted = f"obs-{uuid.uuid4().hex[:8]}"
     echoed, first_chunk = asyncio.run(stream_chat(smol_server.base_url, smol_server.model, {"X-Request-Id": wanted}))
@@ -82,6 +84,7 @@ def test_a_request_is_traced_across_every_actor_in_order(smol_server):
     assert f"request {wanted}: {len(events)} events" in text and "stages: tokenize" in text
 
 
+@pytest.mark.slow
 def test_request_ids_are_made_unique_and_default_to_the_body_id(smol_server):
     """Each api worker keeps the ids it has seen; with two workers, two of three requests that
     reuse an id meet in one of them."""
@@ -102,6 +105,7 @@ def scrape(base_url: str) -> dict:
         return {f.name: f for f in text_string_to_metric_families(reply.read().decode())}
 
 
+@pytest.mark.slow
 def test_metrics_agree_with_the_load_harness(smol_server):
     args = parse_args(
         [
@@ -188,6 +192,7 @@ def test_console_log_format():
     assert "hello" in out and "rid=r1" in out and "actor=probe" in out and not out.lstrip().startswith("{")
 
 
+@pytest.mark.slow
 def test_every_actor_freezes_its_start_up_heap(smol_server):
     """Each actor reports how many objects it moved out of the collector's reach once set up: with
     torch or transformers imported, far more than a bare interpreter's."""

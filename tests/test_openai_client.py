@@ -22,6 +22,8 @@ import openai
 import pytest
 from openai.types import CompletionUsage
 
+pytestmark = pytest.mark.slow  # the session's SmolLM2 server and transformers' reference model
+
 CAPITAL = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = "Once upon a time"
 FINISHES = ("stop", "length")

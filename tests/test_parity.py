@@ -170,6 +170,7 @@ def test_moe_parity_through_the_prefix_cache(tiny_model, arch, page_size, mixed_
     print(f"{arch} page {page_size}: near-ties {near_ties}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("page_size", "mixed_chunk"), [(1, False), (16, True)])
 def test_smollm2_parity(smollm2, page_size, mixed_chunk):
     near_ties = compare(smollm2, page_size, mixed_chunk)

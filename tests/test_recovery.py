@@ -20,6 +20,8 @@ from benchmarks.chaos import Stream, _bodies, _load
 from tests.conftest import ROOT, launch, ringllm, wait_for, with_tokenizer
 from transport.segment import list_segments, server_prefix
 
+pytestmark = pytest.mark.slow  # servers whose actors are killed, hung and restarted
+
 
 @pytest.fixture
 def served(tiny_model, smollm2, tmp_path):
@@ -329,7 +331,7 @@ def _cuda_with_flashinfer() -> bool:
 NEEDS_CUDA = pytest.mark.skipif(not _cuda_with_flashinfer(), reason="needs CUDA and flashinfer")
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=NEEDS_CUDA)])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, NEEDS_CUDA])])
 def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_one_stopped(tiny_model, tmp_path, device):
     """The keeper's protocol across processes (a shared segment on CPU, a CUDA IPC handle on a GPU): an
     engine maps the pool a keeper process holds, its replacement maps the same bytes, the scheduler

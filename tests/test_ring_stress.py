@@ -10,9 +10,12 @@ import time
 import zlib
 
 import numpy as np
+import pytest
 
 from transport.ring import Ring, RingHandle, RingReader, RingWriter, frame_size
 from transport.segment import server_prefix
+
+pytestmark = pytest.mark.slow  # a million frames between two processes
 
 FRAMES = 1_000_000
 CAPACITY = 100_000  # not a power of two, and smaller than two of the largest frames

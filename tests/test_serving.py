@@ -18,6 +18,8 @@ from tests.conftest import launch, wait_for, with_tokenizer
 from tests.test_parity import NEW_TOKENS, greedy_matches, prompts_for, reference
 from transport.segment import list_segments, server_prefix
 
+pytestmark = pytest.mark.slow  # SmolLM2 servers, dozens of concurrent streams and killed actors
+
 QUESTIONS = [
     "What is the capital of France?",
     "Name three colors.",

@@ -94,6 +94,7 @@ def spares(sup: RunningSupervisor) -> set[int]:
     return {child.pid for child in forkserver.children()} - {row["pid"] for row in sup.status()}
 
 
+@pytest.mark.slow
 def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_supervisor, server):
     """A spare that dies is started again; a killed actor's spare takes its place (its pid, already
     running, in the actor's row) under a new epoch, frames flow again, and a new spare starts."""
@@ -119,6 +120,7 @@ def hung_lines(sup: RunningSupervisor) -> list[dict]:
 
 
 # echo's watchdog (60 s) must not lengthen --hang-timeout: a frozen echo goes after 1.5 s either way
+@pytest.mark.slow
 @pytest.mark.parametrize("topology", [CHAIN, "tests.probe_actors:watched_chain"], ids=["no-watchdog", "longer-watchdog"])
 def test_hung_actor_is_killed_and_restarted(start_supervisor, server, topology):
     sup = start_supervisor(topology, "--hang-timeout", "1.5")
@@ -134,6 +136,7 @@ def test_hung_actor_is_killed_and_restarted(start_supervisor, server, topology):
     assert sink_report(server)["errors"] == []
 
 
+@pytest.mark.slow
 def test_watchdog_kills_a_step_without_progress_before_the_hang_timeout(start_supervisor):
     sup = start_supervisor("tests.probe_actors:stalled")  # hang timeout 30 s, watchdog 1.5 s
     stuck = sup.actor("stall")["pid"]
@@ -158,6 +161,7 @@ def test_sigint_stops_like_sigterm(start_supervisor, server):
     assert not list_segments(server_prefix(server))
 
 
+@pytest.mark.slow
 def test_second_server_on_a_port_is_refused(start_supervisor, server):
     first = start_supervisor(CHAIN)
     second = subprocess.run(
@@ -167,6 +171,7 @@ def test_second_server_on_a_port_is_refused(start_supervisor, server):
     assert [r["restarts"] for r in first.status()] == [0, 0, 0]  # the running server is untouched
 
 
+@pytest.mark.slow
 def test_crashed_supervisor_leaves_no_orphans_and_is_swept(start_supervisor, server):
     sup = start_supervisor(CHAIN)
     pids = [row["pid"] for row in sup.status()]
@@ -181,6 +186,7 @@ def test_crashed_supervisor_leaves_no_orphans_and_is_swept(start_supervisor, ser
     assert not list_segments(server_prefix(server))
 
 
+@pytest.mark.slow
 def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
     sup = start_supervisor("tests.probe_actors:idle_pair")
     supervisor = psutil.Process(sup.proc.pid)
@@ -198,6 +204,7 @@ def test_idle_actor_uses_under_two_percent_of_a_core(start_supervisor):
     assert all(pct < 2.0 for pct in usage.values()), usage
 
 
+@pytest.mark.slow
 def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path, monkeypatch):
     """A server's stderr is often a pipe (`| tee`, a parent that captures it). With its reader gone, each
     log line had raised BrokenPipeError: a stop with a hung actor to kill broke off at its log line, before

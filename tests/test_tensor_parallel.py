@@ -17,6 +17,8 @@ from tests.test_serving import _stream_text, complete_ids
 from tests.tiny_models import build
 from transport.segment import list_segments, server_prefix
 
+pytestmark = pytest.mark.slow  # groups of rank processes, and a served group whose rank is killed
+
 # Qwen3 with one KV head (replicated on both ranks); Mistral (Llama's layers) with a vocabulary that
 # does not halve (the last shard is padded); Qwen2 with q/k/v biases and tied embeddings; Qwen3-MoE with
 # experts split by their intermediate rows, dense layers among the sparse

@@ -7,8 +7,11 @@ import subprocess
 import sys
 
 import orjson
+import pytest
 
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.slow  # a benchmark through the session's SmolLM2 server and transformers
 
 
 def test_vs_hf_quick_compares_equal_work_on_both_sides(smol_server, tmp_path):
