@@ -85,8 +85,8 @@ class Layout:
                 todo.append(self.rules[args[0]][1])
             elif kind in (BYTES, CLASS, CLASS_STAR):
                 self.exprs[e] = _unescaped(self.exprs[e])
-        text = str(xgr.Grammar.deserialize_json(self.dumps()))
-        return Layout(orjson.loads(xgr.Grammar.from_ebnf(text).serialize_json()))
+        text, root = str(xgr.Grammar.deserialize_json(self.dumps())), self.rules[self.grammar["root_rule_id"]][0]
+        return Layout(orjson.loads(xgr.Grammar.from_ebnf(text, root_rule_name=root).serialize_json()))
 
     def _quoted(self, parts: list[int]) -> list[int]:
         """The parts between a sequence's opening and closing quote, if it has them."""
