@@ -8,7 +8,7 @@ TORCH  ?= torch==2.13.0
 # xgrammar without its triton requirement, which only its GPU mask kernel uses (CUDA builds of torch bring triton)
 XGRAMMAR ?= xgrammar==0.2.8
 
-.PHONY: venv serve test test-fast lint bench-transport
+.PHONY: venv serve test test-fast lint docs bench-transport
 
 venv: $(VENV)/.installed
 
@@ -37,6 +37,10 @@ test-fast: venv lint
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+
+# docs/cli.md from the parser itself; tests/test_config_cli.py fails while it is stale.
+docs: venv
+	$(PY) -m actors.cli_reference
 
 bench-transport: venv
 	$(PY) -m benchmarks.transport
