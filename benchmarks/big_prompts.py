@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import multiprocessing
 import statistics
 import subprocess
@@ -26,6 +25,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
+from benchmarks.provenance import provenance
 from benchmarks.server import API_WORKERS, free_port, sse_events, start_server, stop_server, wait_healthy
 
 SHORT = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": True}
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         stop_server(server)
     result = {
         "command": " ".join(["python -m benchmarks.big_prompts", *(argv if argv is not None else sys.argv[1:])]),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "tree": _tree(),
         **result,
     }

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import datetime
 import json
 import os
 import random
@@ -46,6 +45,7 @@ import orjson
 import psutil
 
 from actors.control import SPARE_STARTING, ControlBlock
+from benchmarks.provenance import provenance
 from benchmarks.server import API_WORKERS, ServerExited, free_port, server_config, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
@@ -420,7 +420,7 @@ def main(argv: list[str] | None = None) -> dict:
     if args.out is not None:
         runs = orjson.loads(args.out.read_bytes())["runs"] if args.out.exists() else []
         command = " ".join(["python -m benchmarks.chaos", *(sys.argv[1:] if argv is None else argv)])
-        runs.append({"command": command, "date": datetime.date.today().isoformat(), "summary": summary})
+        runs.append({"command": command, **provenance(), "summary": summary})
         args.out.write_bytes(orjson.dumps({"runs": runs}, option=orjson.OPT_INDENT_2) + b"\n")
     print(orjson.dumps(summary).decode())
     return summary

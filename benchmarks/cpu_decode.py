@@ -15,7 +15,6 @@ the minimum over rounds: the machine drifts between them.
 from __future__ import annotations
 
 import argparse
-import datetime
 import os
 import subprocess
 import sys
@@ -25,6 +24,7 @@ from pathlib import Path
 import orjson
 
 from benchmarks import write_result
+from benchmarks.provenance import provenance
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "cpu-decode-kernels.json"
 SEQUENCES = 4
@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> dict:
         "sequences": SEQUENCES,
         "prompt_tokens": {"short": args.short, "long": args.long},
         "command": " ".join(["python -m benchmarks.cpu_decode", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "cpu_model": cpuinfo("model name"),
         "cpu_count": os.cpu_count(),
     }

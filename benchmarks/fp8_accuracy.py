@@ -13,7 +13,6 @@ defect.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
 import platform
@@ -27,6 +26,7 @@ import orjson
 import torch
 import torch.nn.functional as F
 
+from benchmarks.provenance import provenance
 from runtime import LLM, SamplingParams
 from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> None:
         found["perplexity_change"] = f"{100 * (found['perplexity'] / base - 1):+.2f}%"
     record = {
         "command": " ".join(["python -m benchmarks.fp8_accuracy", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "python": platform.python_version(),
         "text_tokens": len(ids),
         "device": args.device,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
-import datetime
 import importlib
 import random
 import statistics
@@ -37,6 +36,7 @@ from pathlib import Path
 import orjson
 
 from actors.pipeline import ServeConfig
+from benchmarks.provenance import provenance
 from benchmarks.server import API_WORKERS, free_port, server_config, start_server, stop_server, wait_healthy
 from runtime.config import EngineConfig
 
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> None:
             **sizes[name],
             "command": command,
             "startup_s": round(startup_s, 1),
-            "date": datetime.date.today().isoformat(),
+            **provenance(),
             **engine_ran,
             **({"serve": ran} if ran else {}),
             "gpu": _device_name(engine_ran["device"]),

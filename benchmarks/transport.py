@@ -23,7 +23,6 @@ benchmarks/results/transport-cpu.json; --quick writes only where --out says.
 from __future__ import annotations
 
 import argparse
-import datetime
 import multiprocessing
 import os
 import platform
@@ -45,6 +44,7 @@ import numpy as np
 import orjson
 import zmq
 
+from benchmarks.provenance import provenance
 from transport.ring import Ring, RingHandle, RingReader, RingWriter
 
 SIZES = (16, 1024, 65536)
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> None:
         "quick": args.quick,
         "cores": os.cpu_count(),
         "command": " ".join(["python -m benchmarks.transport", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "python": platform.python_version(),
         "pyzmq": zmq.__version__,
         "libzmq": zmq.zmq_version(),

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import datetime
 import os
 import random
 import statistics
@@ -43,6 +42,7 @@ import aiohttp
 
 from benchmarks import write_result
 from benchmarks.offline import versions
+from benchmarks.provenance import provenance
 from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
 
 if TYPE_CHECKING:
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> dict:
         "hf_tok_per_s": hf["tok_per_s"],
         "model": model_dir.name,
         "command": " ".join(["python -m benchmarks.vs_hf", *(sys.argv[1:] if argv is None else argv)]),
-        "date": datetime.date.today().isoformat(),
+        **provenance(),
         "device": args.device,
         "dtype": args.dtype,
         "cpu_count": os.cpu_count(),

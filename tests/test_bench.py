@@ -30,7 +30,7 @@ def test_bench_offline_runs_through_the_pipeline_and_in_process(tiny_smol, tmp_p
     assert [(r["mode"], r["workload"]) for r in runs] == [("pipeline", "offline"), ("in-process", "offline")]
     for run in runs:
         assert run["tok_per_s"] > 0 and run["command"].startswith("ringllm bench offline")
-        assert {"model", "date", "versions"} <= set(run) and run["startup_s"] > 0
+        assert {"model", "date", "commit", "versions"} <= set(run) and run["startup_s"] > 0
         assert run["deterministic"] is True and run["dtype"] == "float32" and run["max_prefill_tokens"] == 512
     assert runs[0]["serve"]["api_workers"] == 2 and runs[0]["serve"]["warm_spares"] is False and "serve" not in runs[1]
     pipeline, in_process = runs
