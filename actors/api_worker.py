@@ -155,6 +155,7 @@ class ApiWorker(Actor):
                     case FlushCache(pages=pages):
                         if (flush := self._flushes.get(frame.rid)) is not None:
                             answers, flushed = flush
+                            assert pages is not None  # a scheduler's answer always counts the pages
                             answers.append(pages)
                             if len(answers) == len(self.schedulers) and not flushed.done():
                                 flushed.set_result(sum(answers))

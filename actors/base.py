@@ -22,7 +22,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from multiprocessing.synchronize import Event
-from typing import Any
+from typing import Any, overload
 
 import structlog
 import uvloop
@@ -106,6 +106,10 @@ class Actor:
             self._enter_epoch(frame.epoch)
         return True
 
+    @overload
+    async def next_frame(self, timeout: None = None) -> tuple[str, Frame]: ...
+    @overload
+    async def next_frame(self, timeout: float | None) -> tuple[str, Frame] | None: ...
     async def next_frame(self, timeout: float | None = None) -> tuple[str, Frame] | None:
         """The next admitted frame from any input, and the peer it came from; None on timeout."""
         await self.yield_if_due()

@@ -11,6 +11,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 
 import structlog
+from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
@@ -49,9 +50,10 @@ def _frames(deltas: list[Delta]) -> list[list[Delta]]:
 class DetokenizerActor(Actor):
     async def setup(self) -> None:
         self.tokenizer = load_tokenizer(self.options["serve"].model_dir, required=True)
-        self.backend = getattr(self.tokenizer, "backend_tokenizer", None)
-        if self.backend is None:
+        backend = getattr(self.tokenizer, "backend_tokenizer", None)
+        if backend is None:
             raise ValueError(f"{type(self.tokenizer).__name__} has no `tokenizers` backend, which incremental decoding needs")
+        self.backend: Tokenizer = backend
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:

@@ -117,6 +117,7 @@ class EngineActor(Actor):
         # only now, not in setup: a warm spare sets up while the engine it may replace still runs on this row
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
+        assert self.engine.config.steps_in_flight is not None  # EngineConfig fills in the device's default
         while True:
             await self.yield_if_due()
             got = self.poll_frame() if self.in_flight else await self.next_frame()

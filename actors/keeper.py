@@ -17,6 +17,7 @@ import os
 import threading
 import time
 from multiprocessing.connection import Client, Listener
+from typing import Any
 
 import structlog
 import torch
@@ -67,7 +68,7 @@ class PoolKeeper:
                     continue
                 conn.send(self._pool(size))
 
-    def _pool(self, size: int) -> tuple[str, ...]:
+    def _pool(self, size: int) -> tuple[Any, ...]:
         """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA, ("error", why) for another size than
         the pool's: made by the first question, then the same bytes for every engine."""
         held = self.segment.size if self.segment is not None else self.pool.numel() if self.pool is not None else None

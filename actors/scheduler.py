@@ -375,6 +375,7 @@ class SchedulerActor(Actor):
         detok = self.detoks.pop(rid, None)
         ended = None
         if request is not None and detok is not None and request.finish_reason != "abort":
+            assert request.finish_reason is not None  # only finished requests end here
             output_ids = np.asarray(request.output_ids, np.int32)
             ended = Ended(detok, output_ids, request.finish_reason, len(request.prompt_ids), request.cached_tokens)
         _remember(self.ended, rid, ended)

@@ -21,6 +21,8 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
+from multiprocessing.process import BaseProcess
+from typing import cast
 
 import structlog
 
@@ -40,7 +42,7 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class Spare:
-    proc: mp.process.BaseProcess
+    proc: BaseProcess
     standby: Standby
 
     def discard(self) -> None:
@@ -99,7 +101,7 @@ class Supervisor:
         self._forkserver = mp.get_context("forkserver")  # a clean process that never touches CUDA
         preload = sorted({module for actor in topology.actors for module in actor.preload})
         self._forkserver.set_forkserver_preload(["actors.forkserver", *preload])
-        self._procs: dict[int, mp.process.BaseProcess] = {}
+        self._procs: dict[int, BaseProcess] = {}
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
@@ -111,9 +113,15 @@ class Supervisor:
         self._stopping = False
         self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.control: ControlBlock | None = None
+        self._control: ControlBlock | None = None
         self._rings: dict[tuple[str, str], Ring] = {}
         self._doorbells: list[Doorbell] = []
+
+    @property
+    def control(self) -> ControlBlock:
+        """The control block, which start makes; only the signal handler and stop may run before it exists."""
+        assert self._control is not None
+        return self._control
 
     # -- life cycle ---------------------------------------------------------------------------
 
@@ -133,9 +141,9 @@ class Supervisor:
         return 0
 
     def _on_signal(self, signum: int, frame) -> None:
-        if signum == signal.SIGTERM and self.control is not None and self._drain_until is None:
+        if signum == signal.SIGTERM and self._control is not None and self._drain_until is None:
             self._drain_until = time.monotonic() + self.config.shutdown_timeout_s
-            self.control.draining = True
+            self._control.draining = True
         else:  # SIGINT, or a second SIGTERM: stop now
             self._stopping = True
 
@@ -163,7 +171,7 @@ class Supervisor:
         prepare_dir(SHM_DIR / self.metrics_dir)  # before any child is spawned: they inherit its name
         for spec in self.topology.actors:  # each actor's count exported at 0 from the start, as Prometheus advises
             metrics().restarts.labels(spec.name)
-        self.control = ControlBlock.create(self.topology)
+        self._control = ControlBlock.create(self.topology)
         for edge in self.topology.edges:
             self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)
         self._doorbells = [Doorbell() for _ in self.topology.actors]
@@ -207,7 +215,8 @@ class Supervisor:
         while not self._stopping:
             sentinels = {proc.sentinel: (index, proc) for index, proc in self._procs.items()}
             spares = {spare.proc.sentinel: (index, spare) for index, spare in self._spares.items()}
-            for fired in wait_any([*sentinels, *spares, self._wake_r], timeout=self.config.check_interval_s):
+            # wait returns some of the objects it is given: here, file descriptors
+            for fired in cast("list[int]", wait_any([*sentinels, *spares, self._wake_r], timeout=self.config.check_interval_s)):
                 # an exit handled already, with another's (ActorSpec.needs), is not handled again
                 if fired in sentinels and self._procs.get(index := sentinels[fired][0]) is sentinels[fired][1]:
                     self._on_exit(index)
@@ -231,7 +240,7 @@ class Supervisor:
     def stop(self) -> None:
         """Ask every actor to stop, kill stragglers, then unlink every segment."""
         self._stopping = True
-        if self.control is None:  # nothing was created (another server owns the port)
+        if self._control is None:  # nothing was created (another server owns the port)
             return
         for spare in self._spares.values():
             spare.discard()
@@ -271,7 +280,7 @@ class Supervisor:
     def _name(self, index: int) -> str:
         return self.topology.actors[index].name
 
-    def _spawn(self, index: int, standby: Standby | None = None) -> mp.process.BaseProcess:
+    def _spawn(self, index: int, standby: Standby | None = None) -> BaseProcess:
         spec = self.topology.actors[index]
         ctx = ActorContext(
             spec=spec,
@@ -294,7 +303,7 @@ class Supervisor:
         slot = self.control.slots[index]
         slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
 
-    def _own(self, index: int, proc: mp.process.BaseProcess) -> None:
+    def _own(self, index: int, proc: BaseProcess) -> None:
         self.control.slots[index]["pid"] = proc.pid
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()

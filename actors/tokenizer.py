@@ -183,29 +183,31 @@ class TokenizerActor(Actor):
                 f"{top} each make {len(ids) * (top + 2)} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (N + 2))",
                 param="prompt_logprobs",
             )
-        elif req.guide is None or (params := await self._with_guide(sub, params)) is not None:  # the prompt's text stays here
+        elif req.guide is None or (params := await self._with_guide(sub, params, req.guide)) is not None:  # the prompt's text stays here
             scheduler = self.replicas.place(ids)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
 
-    async def _with_guide(self, sub: Submission, params: SamplingParams) -> SamplingParams | None:
+    async def _with_guide(self, sub: Submission, params: SamplingParams, guide: tuple[str, str]) -> SamplingParams | None:
         """The params with the guide, once its grammar has been built here (which refuses a bad or
         oversized one; the engine builds it again from the cache-friendly spec, not from megabytes of
         grammar sent down the rings); None when it was refused, or aborted while it was built."""
         key = (sub.rid, sub.epoch)
         self.in_lane[key] = False
         try:
-            await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *sub.req.guide)
+            await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *guide)
         except GuideError as exc:
             if not self.in_lane.pop(key, True):
                 await self._refuse(sub, str(exc))
             return None
-        return None if self.in_lane.pop(key, True) else replace(params, guide=sub.req.guide)
+        return None if self.in_lane.pop(key, True) else replace(params, guide=guide)
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:
         if req.messages is None:
+            assert req.prompt is not None  # called only without ids: then a request brings messages or a prompt
             return req.prompt
         options = req.template  # a chat request's always (api.protocol.Completion.template)
+        assert options is not None
         return tokenizer.apply_chat_template(
             req.messages,
             tools=options["tools"],

@@ -31,7 +31,7 @@ class OneShotAllReduce:
     def __init__(self, device: torch.device, max_bytes: int = ONE_SHOT_MAX_BYTES) -> None:
         import torch.distributed._symmetric_memory as symm_mem
 
-        self.group = dist.group.WORLD.group_name
+        self.group = dist.group.WORLD.group_name  # pyright: ignore[reportOptionalMemberAccess]  # set: the group is initialized
         if hasattr(symm_mem, "enable_symm_mem_for_group"):  # needed before torch 2.11, a no-op since
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
@@ -56,10 +56,10 @@ class TensorParallel:
     one_shot: OneShotAllReduce | None = None  # CUDA with EngineConfig.custom_all_reduce
 
     @staticmethod
-    def join(rank: int, config: EngineConfig, rendezvous: str, device: torch.device) -> TensorParallel:
+    def join(rank: int, config: EngineConfig, rendezvous: str | None, device: torch.device) -> TensorParallel:
         """Join the group of config.tensor_parallel_size ranks that meets at `rendezvous`, a file every
-        rank of it opens (torch's FileStore). On CPU the ranks share the cores: each computes with its
-        share of them."""
+        rank of it opens (torch's FileStore; None for a single rank, which meets no one). On CPU the ranks
+        share the cores: each computes with its share of them."""
         size = config.tensor_parallel_size
         if dist.is_initialized():  # a closed LLM's group, its other ranks gone
             dist.destroy_process_group()

@@ -34,7 +34,8 @@ async def send(writer: RingWriter, kind: int, rid: int, meta: Any, arrays: Seque
     view[_LEN.size : _LEN.size + len(header)] = header
     offset = head
     for a in ints:
-        view[offset : offset + a.nbytes] = a.view(np.uint8)
+        # numpy's stubs declare ndarray a buffer only from Python 3.12 (PEP 688), though it is one in 3.11 too
+        view[offset : offset + a.nbytes] = a.view(np.uint8)  # pyright: ignore[reportCallIssue, reportArgumentType]
         offset += a.nbytes
     writer.commit(kind, rid, epoch)
 

@@ -193,6 +193,7 @@ class RingWriter(_End):
         return True
 
     def _reserved_view(self) -> memoryview:
+        assert self._reserved is not None  # called only once _try_reserve has succeeded
         offset, length, _ = self._reserved
         start = offset + HEADER.size
         return self._data[start : start + length]
@@ -224,6 +225,7 @@ class RingWriter(_End):
             return self._reserved_view()
 
     def commit(self, kind: int, rid: int, epoch: int = 0) -> None:
+        assert self._reserved is not None, "commit without a reserve"
         offset, length, size = self._reserved
         self._reserved = None
         HEADER.pack_into(self._data, offset, kind, epoch, rid, length)

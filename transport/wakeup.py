@@ -15,7 +15,7 @@ import ctypes
 import os
 import select
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from multiprocessing.reduction import DupFd
 
 from transport import env
@@ -74,7 +74,7 @@ def ring_if_asleep(flag: ctypes.c_uint32, bell: Doorbell) -> None:
         bell.ring()
 
 
-def _naps(ready: Callable[[], bool], flags: Sequence[ctypes.c_uint32], timeout: float | None) -> Iterator[float | None]:
+def _naps(ready: Callable[[], bool], flags: Sequence[ctypes.c_uint32], timeout: float | None) -> Generator[float | None, None, None]:
     """The wait policy shared by the blocking and asyncio waits: yields how long to sleep next
     (None: until rung) and stops once `ready()` holds or the timeout has passed."""
     spin_end = time.perf_counter_ns() + SPIN_NS

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 from pathlib import Path
+from typing import Any, Literal, overload
 
 from transport import env
 
@@ -26,7 +27,11 @@ def resolve_model_dir(name_or_path: str | None) -> Path:
     return Path(snapshot_download(name_or_path, allow_patterns=patterns))
 
 
-def load_tokenizer(model_dir: str | Path, required: bool = False):
+@overload
+def load_tokenizer(model_dir: str | Path, required: Literal[True]) -> Any: ...
+@overload
+def load_tokenizer(model_dir: str | Path, required: bool = False) -> Any | None: ...
+def load_tokenizer(model_dir: str | Path, required: bool = False) -> Any | None:
     """The folder's Hugging Face tokenizer, or None when it ships none (a bare config and weights)."""
     if not any(Path(model_dir).glob("tokenizer*")):
         if required:
@@ -70,7 +75,7 @@ def _convert(source: Path, target: Path) -> None:
     save_file(state, partial / "model.safetensors", metadata={"format": "pt"})
     config = model.config
     config.quantization_config = None
-    del config.quantization_config
+    del config.quantization_config  # pyright: ignore[reportAttributeAccessIssue]  # set just above, as the GGUF loader's are
     config.architectures = [type(model).__name__]
     config.eos_token_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
     config.bos_token_id = None
