@@ -359,7 +359,7 @@ class Handlers:
         return ChatOutput(limits.reasoning_parser, tool_parser, names, constrained=c.guide is not None)
 
     @staticmethod
-    def _parsed(output: ChatOutput | None, text: str, finish: str | None, stream: bool) -> tuple[str, dict | None, str | None]:
+    def _parsed(output: ChatOutput | None, text: str, finish: str | None, stream: bool) -> tuple[str | None, dict | None, str | None]:
         """The choice's content, its other message fields and its finish reason, `text` read by `output`."""
         if output is None:
             return text, None, finish
@@ -373,11 +373,9 @@ class Handlers:
     def _usage(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         """The request's usage so far: each prompt once, however many choices; choices not begun count nothing."""
         states = [s for s in choices.values() if s.usage is not None]
-        firsts = [s for s in states if s.index % c.n == 0]
+        firsts = [s.usage for s in states if s.index % c.n == 0 and s.usage is not None]
         return usage(
-            sum(s.usage["prompt_tokens"] for s in firsts),
-            sum(len(s.token_ids) for s in states),
-            sum(s.usage["cached_tokens"] for s in firsts),
+            sum(u["prompt_tokens"] for u in firsts), sum(len(s.token_ids) for s in states), sum(u["cached_tokens"] for u in firsts)
         )
 
     def _whole(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
@@ -387,7 +385,8 @@ class Handlers:
             logprobs = logprobs_block(c.chat, echo_entries + s.logprobs, 0) if c.params.logprobs is not None else None
             text, parts, finish = self._parsed(self._chat_output(c), "".join(s.text), s.finish, stream=False)
             token_ids = s.token_ids if c.echo_token_ids else None
-            text = echo_text + text if echo_text else text  # a chat message's content may be None (tool calls)
+            # an echo is a completion's, whose text is never None; a chat message's content may be (tool calls)
+            text = echo_text + text if echo_text and text is not None else text
             body = choice(c, s.index, text, finish, logprobs, token_ids, delta=False, parts=parts, matched_stop=s.matched_stop)
             out.append(body if c.chat else body | _prompt_logprobs(c, s))
         response = {**envelope(c, chunk=False), "choices": out, "usage": self._usage(c, choices)}
@@ -415,7 +414,7 @@ class Handlers:
                 token_ids = delta["token_ids"] if c.echo_token_ids else None
                 text, parts, finish = self._parsed(state.output, delta["text"], state.finish, stream=True)
                 first = not state.started
-                text = echo_text + text if echo_text else text
+                text = echo_text + text if echo_text and text is not None else text
                 matched = state.matched_stop
                 body = choice(c, state.index, text, finish, logprobs, token_ids, delta=True, first=first, parts=parts, matched_stop=matched)
                 extra = _prompt_logprobs(c, state) if first else {}

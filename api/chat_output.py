@@ -169,6 +169,7 @@ class ToolCallParser:
     def _stream(self, deltas: dict[int, dict]) -> bool:
         """Passes on the streaming call's new arguments text; True once the call has closed."""
         streamed = self.streamed
+        assert streamed is not None  # a call streams: _open has begun it
         if not streamed.arguments_done:
             end = streamed.scan(self.held, 1)
             cut = len(self.held) if end is None else end
@@ -238,14 +239,15 @@ def _members(text: str) -> dict[str, tuple[Any, str]] | None:
             return None
     except json.JSONDecodeError:
         return None
-    members, at = {}, BLANKS.match(text, text.index("{") + 1).end()
+    # BLANKS matches anywhere (if only the empty string), which the checker cannot know: hence the ignores
+    members, at = {}, BLANKS.match(text, text.index("{") + 1).end()  # pyright: ignore[reportOptionalMemberAccess]
     while text[at] != "}":
         key, at = JSON.raw_decode(text, at)
-        at = BLANKS.match(text, BLANKS.match(text, at).end() + 1).end()  # past the colon
+        at = BLANKS.match(text, BLANKS.match(text, at).end() + 1).end()  # pyright: ignore[reportOptionalMemberAccess]  # past the colon
         value, end = JSON.raw_decode(text, at)
         members[key] = (value, text[at:end])
-        at = BLANKS.match(text, end).end()
-        at = BLANKS.match(text, at + 1).end() if text[at] == "," else at
+        at = BLANKS.match(text, end).end()  # pyright: ignore[reportOptionalMemberAccess]
+        at = BLANKS.match(text, at + 1).end() if text[at] == "," else at  # pyright: ignore[reportOptionalMemberAccess]
     return members
 
 

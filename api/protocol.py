@@ -133,7 +133,7 @@ def _is_id_list(value: Any, vocab_size: int) -> bool:
 
 def _is_token_list(value: Any, limits: Limits) -> bool:
     if isinstance(value, list) and len(value) >= limits.max_model_len and isinstance(value[0], int):  # before reading every id
-        raise ApiError(context_overflow(limits.max_model_len, len(value), None), param="prompt")
+        raise ApiError(prompt_overflow(limits.max_model_len, f"{len(value)} tokens in the messages"), param="prompt")
     return bool(value) and _is_id_list(value, limits.vocab_size)
 
 
@@ -191,7 +191,12 @@ def _tool_fields(i: int, message: dict) -> dict:
     out = []
     for call in calls if isinstance(calls, list) else [None]:
         function = call.get("function") if isinstance(call, dict) else None
-        if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not isinstance(function.get("arguments"), str):
+        if (
+            not isinstance(call, dict)
+            or not isinstance(function, dict)
+            or not isinstance(function.get("name"), str)
+            or not isinstance(function.get("arguments"), str)
+        ):
             raise ApiError(
                 f"messages[{i}].tool_calls must be a list of {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}",
                 param=f"messages[{i}].tool_calls",
@@ -348,7 +353,7 @@ def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprob
     return params
 
 
-def _logit_bias(body: dict, vocab_size: int) -> list[list]:
+def _logit_bias(body: dict, vocab_size: int) -> tuple[tuple[int, float], ...]:
     """OpenAI's {"token id": bias}: ids in the vocabulary, biases added to the logits (SamplingParams bounds them)."""
     bias = _get(body, "logit_bias", (dict,), default={})
     out = []
@@ -358,12 +363,12 @@ def _logit_bias(body: dict, vocab_size: int) -> list[list]:
             raise ApiError(
                 f"'logit_bias' maps token ids below the vocabulary's {vocab_size} to numbers; not {key!r}: {value!r}", param="logit_bias"
             )
-        out.append([int(key), float(value)])
+        out.append((int(key), float(value)))
     if len({token for token, _ in out}) < len(out):  # "7" and "07"
         raise ApiError("'logit_bias' names a token id twice", param="logit_bias")
     if len(out) > MAX_LOGIT_BIAS:
         raise ApiError(f"'logit_bias' may hold at most {MAX_LOGIT_BIAS} tokens", param="logit_bias")
-    return sorted(out)
+    return tuple(sorted(out))
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:
@@ -430,7 +435,7 @@ def envelope(c: Completion, chunk: bool) -> dict:
 def choice(
     c: Completion,
     index: int,
-    text: str,
+    text: str | None,
     finish: str | None,
     logprobs: dict | None,
     token_ids: list[int] | None,
