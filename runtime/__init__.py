@@ -1,6 +1,12 @@
 """Engine runtime. `LLM` and `SamplingParams` load lazily, so that processes which only need
 `runtime.obs.logs` or the command line never import torch."""
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # for type checkers only: at run time these load on first use, below
+    from runtime.llm import LLM, GenerationOutput
+    from runtime.sampling_params import SamplingParams
+
 __all__ = ["LLM", "GenerationOutput", "SamplingParams"]
 
 

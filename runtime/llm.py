@@ -45,6 +45,7 @@ def _serve_rank(model_dir: Path, config: EngineConfig, rank: int, rendezvous: st
     device = rank_device(config.device, rank)
     engine = Engine(model_dir, config, TensorParallel.join(rank, config, rendezvous, device), device)
     unread: deque[PendingStep] = deque()
+    assert config.steps_in_flight is not None  # EngineConfig fills in the device's default
     while (plan := engine.tp.broadcast(None)) is not None:
         unread.append(engine.launch(plan))
         if len(unread) >= config.steps_in_flight:
@@ -108,6 +109,7 @@ class LLM:
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
         in_flight: deque[tuple[int, PendingStep]] = deque()  # plan later steps while earlier ones run
         depth = self.config.steps_in_flight
+        assert depth is not None  # EngineConfig fills in the device's default
         while self.scheduler.has_work() or in_flight:
             plan = self.scheduler.schedule() if len(in_flight) < depth else None
             if plan:
@@ -127,6 +129,7 @@ class LLM:
         return self.tokenizer.encode(prompt, add_special_tokens=False)
 
     def _output(self, request: Request) -> GenerationOutput:
+        assert request.finish_reason is not None  # generate runs every request to its end
         text = self.tokenizer.decode(request.output_ids, skip_special_tokens=True) if self.tokenizer else None
         return GenerationOutput(
             token_ids=list(request.output_ids),

@@ -5,6 +5,7 @@ fp16) queries, its layer's K and V scales given to each run."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -48,7 +49,8 @@ class FlashInferAttention:
             self.prefill if deterministic else flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
         )
         self.deterministic = deterministic
-        self.active = self.prefill
+        # the wrapper the next forward runs: one of flashinfer's (untyped) or a graph's; each has its own plan
+        self.active: Any = self.prefill
         try:
             from runtime.kernels.triton.host_copy import send
         except ImportError:  # no Triton: step inputs go by cudaMemcpyAsync
@@ -161,7 +163,7 @@ class FlashInferAttention:
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
         out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
-        scales = {}
+        scales: dict[str, Any] = {}
         if self.pool.quantized:  # ringllm's decode takes the pair, flashinfer's runs each by name
             k_scale, v_scale = self.pool.scales[layer]
             scales = (

@@ -23,7 +23,9 @@ from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 
 if TYPE_CHECKING:  # a graph memory pool's handle (CUDAGraph.pool()): graphs captured into one share its memory
-    from torch.cuda.graphs import _POOL_HANDLE as Pool
+    from torch.cuda import _POOL_HANDLE as Pool
+
+    from runtime.models.decoder import DecoderForCausalLM
 
 log = structlog.get_logger()
 
@@ -153,7 +155,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def __init__(
         self,
-        model: nn.Module,
+        model: DecoderForCausalLM,
         attention: GraphAttention,
         max_batch_size: int,
         max_pages_per_seq: int,

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 import structlog
@@ -29,6 +30,7 @@ from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
+from runtime.models.decoder import DecoderLayer
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams
@@ -191,6 +193,7 @@ class Engine:
             scales,
             kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
+        assert config.attention_backend is not None  # EngineConfig fills in the device's default
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1], config.deterministic)
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
@@ -221,7 +224,7 @@ class Engine:
         max_bs = self._graph_limits()[0]
         if max_bs and not self.config.deterministic:
             few_row_gemms = use_few_row_gemms(self.model, capture_sizes(max_bs), self.device, self.dtype)
-            layers = list(self.model.model.layers)
+            layers = cast("list[DecoderLayer]", list(self.model.model.layers))  # a ModuleList is typed as holding any Module
             one_row_fused = use_one_row_fusion(layers, self.device, self.dtype, allow_summed=self.tp.size == 1)
         self.chosen_kernels: dict[str, dict] = {"few_row_kernels": few_row_gemms, "fp8_kernels": fp8_gemms, "one_row_fused": one_row_fused}
 
@@ -388,7 +391,7 @@ class Engine:
         batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
         shape = self.prefill_graphs.fit(tokens, len(step.seq_slots)) if self.prefill_graphs else None
         if shape:
-            hidden = self.prefill_graphs.replay(shape, batch)
+            hidden = self.prefill_graphs.replay(shape, batch)  # pyright: ignore[reportOptionalMemberAccess]  # shape: only with graphs
         else:
             self.attention.prepare(step.meta)
             hidden = self.model(batch, self.attention)
@@ -446,7 +449,9 @@ class Engine:
         if self.device.type == "cuda":
             if drawn.logprob_rows:
                 drawn.top_ids, drawn.top_values, drawn.chosen = (
-                    t.to("cpu", non_blocking=True) for t in (drawn.top_ids, drawn.top_values, drawn.chosen)
+                    # set whenever logprob_rows is
+                    t.to("cpu", non_blocking=True)  # pyright: ignore[reportOptionalMemberAccess]
+                    for t in (drawn.top_ids, drawn.top_values, drawn.chosen)
                 )
             done = torch.cuda.Event()
             done.record()

@@ -83,8 +83,9 @@ def _candidates(weight: torch.Tensor, rows: int, tinygemm: Callable | None, gemv
             return out
 
         kernels["tinygemm"] = run_tinygemm
+    # the checker does not narrow gemv_kernel inside the loop, which runs only with one
     for tile in gemv_kernel.tiles(n, k) if gemv_kernel is not None and rows == 1 else ():
-        kernels["gemv{}x{}".format(*tile)] = lambda x, w, b, tile=tile: gemv_kernel.gemv(x.contiguous(), w, b, tile)[0]
+        kernels["gemv{}x{}".format(*tile)] = lambda x, w, b, tile=tile: gemv_kernel.gemv(x.contiguous(), w, b, tile)[0]  # pyright: ignore[reportOptionalMemberAccess]
     return kernels
 
 
@@ -138,7 +139,7 @@ def use_few_row_gemms(model: nn.Module, row_counts: Iterable[int], device: torch
     row_counts = sorted(r for r in row_counts if r <= MAX_ROWS)
     if (tinygemm is None and gemv_kernel is None) or not row_counts:
         return {}
-    by_shape: dict[tuple[int, int], list[tuple[nn.Module, str, nn.Linear]]] = defaultdict(list)
+    by_shape: dict[tuple[int, ...], list[tuple[nn.Module, str, nn.Linear]]] = defaultdict(list)
     for slot in linear_slots(model):
         by_shape[tuple(slot[2].weight.shape)].append(slot)
     chosen = {}
@@ -172,8 +173,11 @@ class OneRowCandidates:
 
 def _one_row_candidates(layers: list[DecoderLayer], gemv_kernel, device: torch.device, dtype: torch.dtype) -> OneRowCandidates:
     """Builds the fused forms of each pair (norm→qkv, norm→gate_up, SiLU→down) and of o_proj with its
-    residual add, at each GEMV tile of the linear's shape, beside the pairs as they stand."""
+    residual add, at each GEMV tile of the linear's shape, beside the pairs as they stand. Dense layers only
+    (use_one_row_fusion checks): the `pyright: ignore`s below are for `layer.mlp`, typed MLP | SparseMoe, and
+    for attributes torch types as Tensor | Module."""
     first = layers[0]
+    assert isinstance(first.mlp, MLP)
     hidden, inter = first.mlp.gate_up_proj.weight.shape[1], first.mlp.down_proj.weight.shape[1]
     h, residual = (torch.randn(1, hidden, dtype=dtype, device=device) for _ in range(2))
     gate_up = torch.randn(1, 2 * inter, dtype=dtype, device=device)
@@ -184,7 +188,7 @@ def _one_row_candidates(layers: list[DecoderLayer], gemv_kernel, device: torch.d
     ) -> Ways:
         """The kernel at each tile of the linear's shape."""
         found: Ways = {}
-        for tile in gemv_kernel.tiles(*linear(first).weight.shape):
+        for tile in gemv_kernel.tiles(*linear(first).weight.shape):  # pyright: ignore[reportGeneralTypeIssues]
             tiled_kernel = functools.partial(kernel, tile=tile)
             found[prefix + "{}x{}".format(*tile)] = (lambda k=tiled_kernel: [call(k, layer) for layer in layers], tiled_kernel)
         return found
@@ -209,11 +213,11 @@ def _one_row_candidates(layers: list[DecoderLayer], gemv_kernel, device: torch.d
 
     pairs = {
         "qkv": norm_ways(lambda layer: layer.input_layernorm, lambda layer: layer.self_attn.qkv_proj),
-        "gate_up": norm_ways(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),
+        "gate_up": norm_ways(lambda layer: layer.post_attention_layernorm, lambda layer: layer.mlp.gate_up_proj),  # pyright: ignore[reportArgumentType]
         "down": ways(
-            lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)),
+            lambda layer: layer.mlp.down_proj(layer.mlp.ops.silu_and_mul(gate_up)),  # pyright: ignore[reportCallIssue]
             gemv_kernel.silu_linear,
-            lambda layer: layer.mlp.down_proj,
+            lambda layer: layer.mlp.down_proj,  # pyright: ignore[reportArgumentType]
             lambda fused, layer: fused(gate_up, layer.mlp.down_proj),
         ),
     }

@@ -106,7 +106,11 @@ def gumbel_argmax(
     """Per row: argmax(score / T + Gumbel) for T > 0, argmax(score) for T == 0 or without temperatures."""
     if scores.is_cuda and _KERNEL is not None:
         return _KERNEL(scores, temperatures, keys, feedback and (feedback.last_tokens, feedback.slots, feedback.host))
-    tokens = scores.argmax(dim=-1) if temperatures is None else _torch_gumbel_argmax(scores, temperatures, keys)
+    if temperatures is None:
+        tokens = scores.argmax(dim=-1)
+    else:
+        assert keys is not None  # temperatures come with their rows' keys
+        tokens = _torch_gumbel_argmax(scores, temperatures, keys)
     if feedback is not None:
         feedback.send(tokens)
     return tokens
@@ -195,7 +199,7 @@ def sample(
         tokens = gumbel_argmax(logits, temperatures, keys, feedback)
     result = Sample(tokens, logprob_rows)
     if logprob_rows:
-        top = raw_logprobs.topk(max(rows[i].params.logprobs for i in logprob_rows), dim=-1)
+        top = raw_logprobs.topk(max(rows[i].params.logprobs or 0 for i in logprob_rows), dim=-1)  # never None in these rows
         result.top_ids, result.top_values = top.indices, top.values
         result.chosen = raw_logprobs.gather(1, tokens[logprob_rows][:, None])[:, 0]
     return result
@@ -267,6 +271,7 @@ def logprob_dicts(sample: Sample, rows: list[SampleRow], tokens: list[int]) -> l
     out: list[dict[int, float] | None] = [None] * len(rows)
     if not sample.logprob_rows:
         return out
+    assert sample.top_ids is not None and sample.top_values is not None and sample.chosen is not None  # set with logprob_rows
     ids, values, chosen = sample.top_ids.tolist(), sample.top_values.tolist(), sample.chosen.tolist()
     for j, i in enumerate(sample.logprob_rows):
         n = rows[i].params.logprobs

@@ -39,7 +39,8 @@ class Attention(nn.Module):
         self.heads, self.kv_heads = tp.split(cfg.num_heads)[1], tp.split(cfg.num_kv_heads)[1]  # this rank's
         self.q_size, self.kv_size = self.heads * cfg.head_dim, self.kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
-        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)
+        # torch types Module.__setattr__'s value as Tensor | Module, though any value may be set
+        self.qkv_proj.shard_sizes = (self.q_size, self.kv_size, self.kv_size)  # pyright: ignore[reportArgumentType]
         self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.output_bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
@@ -82,7 +83,7 @@ class MLP(nn.Module):
         super().__init__()
         intermediate = tp.split(cfg.intermediate_size)[1]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
-        self.gate_up_proj.shard_sizes = (intermediate, intermediate)
+        self.gate_up_proj.shard_sizes = (intermediate, intermediate)  # pyright: ignore[reportArgumentType]  # see Attention
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.ops = ops
 
@@ -140,8 +141,9 @@ class DecoderLayer(nn.Module):
         attended = attend(qkv)
         if fused.o_proj is not None:  # the summed stream: no residual is handed on
             h = fused.o_proj(attended, attn.o_proj, residual)
-            gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)
-            return fused.down(gate_up, mlp.down_proj, h), None
+            # the summed stream sets every fusion, and only over dense layers, whose mlp is an MLP
+            gate_up, _ = fused.gate_up(h, None, self.post_attention_layernorm, mlp.gate_up_proj)  # pyright: ignore[reportOptionalCall, reportArgumentType]
+            return fused.down(gate_up, mlp.down_proj, h), None  # pyright: ignore[reportOptionalCall, reportArgumentType]
         h = self.tp.all_reduce(attn.o_proj(attended))
         out, residual = mlp.forward_normed(h, residual, self.post_attention_layernorm, fused)
         return self.tp.all_reduce(out), residual
@@ -156,6 +158,8 @@ class DecoderModel(nn.Module):
 
 
 class DecoderForCausalLM(nn.Module):
+    fused_ops: str  # the name of the fused ops it runs with, which build_model sets
+
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp

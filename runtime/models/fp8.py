@@ -90,6 +90,9 @@ class Fp8Linear(nn.Module):
     """A projection whose weight is FP8 with block scales. `kernels` maps a call's rows (a power of
     two, the most 512) to the kernel start-up timing chose there; the Triton GEMM runs the rest."""
 
+    weight: torch.Tensor  # buffers, registered in __init__
+    weight_scale: torch.Tensor
+
     def __init__(self, linear: nn.Linear, block: tuple[int, int]) -> None:
         super().__init__()
         from runtime.kernels.triton.fp8_gemm import default_tiles, fp8_gemm

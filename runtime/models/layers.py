@@ -198,8 +198,8 @@ def norm_then_linear(h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNo
     """linear(norm(h + residual)) and the new residual (h where there is none yet)."""
     if residual is None:
         return linear(norm(h)), h
-    h, residual = norm(h, residual)
-    return linear(h), residual
+    h, summed = norm(h, residual)
+    return linear(h), summed
 
 
 NormLinear = Callable[[Tensor, Tensor | None, RMSNorm, nn.Module], tuple[Tensor, Tensor]]

@@ -16,7 +16,7 @@ from torch import nn
 from runtime.config import Fp8Config, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.models.cpu_linears import prepack_linears
-from runtime.models.decoder import STACKED
+from runtime.models.decoder import STACKED, DecoderForCausalLM
 from runtime.models.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_per_channel, scale_name, use_fp8_linears
 from runtime.models.layers import select_fused_ops
 from runtime.models.moe import EXPERT_PARTS, Experts
@@ -38,7 +38,7 @@ def build_model(
     fused_ops: str | None = None,
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,
-) -> nn.Module:
+) -> DecoderForCausalLM:
     """The model on `device`, holding this rank's shard of every weight; with quantization "fp8", a
     checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
     shard's rows)."""
@@ -74,8 +74,8 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
     """Each tensor through `shard` (name, safetensors slice) -> what this rank keeps of it. An FP8
     checkpoint's quantized weights are dequantized whole with their block scales, then sharded."""
     params = dict(model.named_parameters())  # tied weights appear once
-    shards = {
-        f"{prefix}.{kind}": module.shard_sizes
+    shards: dict[str, tuple[int, ...]] = {
+        f"{prefix}.{kind}": module.shard_sizes  # pyright: ignore[reportAssignmentType]  # set by the layers (decoder.py)
         for prefix, module in model.named_modules()
         if hasattr(module, "shard_sizes")
         for kind in ("weight", "bias")

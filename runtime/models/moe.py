@@ -72,6 +72,8 @@ class SparseMoe(nn.Module):
     """A sparse layer's MLP: the router (`gate`, as checkpoints name it) and the experts. Counts the
     tokens each expert took since `take_load` was last called."""
 
+    load: torch.Tensor  # a buffer, registered in __init__
+
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         moe = cfg.moe

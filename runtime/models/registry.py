@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from runtime.models.decoder import DecoderForCausalLM
 
-MODELS: dict[str, type] = {
+MODELS: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
     "MistralForCausalLM": DecoderForCausalLM,
     "Qwen2ForCausalLM": DecoderForCausalLM,

@@ -9,6 +9,7 @@ import sys
 
 import orjson
 import structlog
+from structlog.typing import EventDict, WrappedLogger
 
 from transport import env
 
@@ -20,7 +21,7 @@ def bind_process(**fields: object) -> None:
     _PROCESS_FIELDS.update(fields)
 
 
-def _add_process_fields(logger, method: str, event: dict) -> dict:
+def _add_process_fields(logger: WrappedLogger, method: str, event: EventDict) -> EventDict:
     return {**_PROCESS_FIELDS, **event}
 
 
@@ -69,8 +70,11 @@ def configure_logging(actor: str, level: str | None = None) -> None:
             ),
         ],
         wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        # structlog only writes to and flushes the file it is given, though its annotations ask for a whole TextIO or BinaryIO
         logger_factory=(
-            structlog.WriteLoggerFactory(_Stderr(sys.stderr)) if console else structlog.BytesLoggerFactory(_Stderr(sys.stderr.buffer))
+            structlog.WriteLoggerFactory(_Stderr(sys.stderr))  # pyright: ignore[reportArgumentType]
+            if console
+            else structlog.BytesLoggerFactory(_Stderr(sys.stderr.buffer))  # pyright: ignore[reportArgumentType]
         ),
         cache_logger_on_first_use=True,
     )

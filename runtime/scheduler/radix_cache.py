@@ -49,6 +49,7 @@ class RadixCache:
         pages_at = at // self.page_size
         upper = RadixNode(node.tokens[:at], node.pages[:pages_at], node.parent)
         upper.lock_ref, upper.last_used = node.lock_ref, node.last_used
+        assert node.parent is not None  # the root is never split
         node.parent.children[self._first_page(upper.tokens)] = upper
         node.tokens, node.pages, node.parent = node.tokens[at:], node.pages[pages_at:], upper
         upper.children[self._first_page(node.tokens)] = node
@@ -91,12 +92,12 @@ class RadixCache:
             self.cached_pages += len(leaf.pages)
         return covered
 
-    def lock(self, node: RadixNode) -> None:
+    def lock(self, node: RadixNode | None) -> None:
         while node is not None:
             node.lock_ref += 1
             node = node.parent
 
-    def unlock(self, node: RadixNode) -> None:
+    def unlock(self, node: RadixNode | None) -> None:
         while node is not None:
             node.lock_ref -= 1
             node = node.parent
@@ -122,6 +123,7 @@ class RadixCache:
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)
             parent = leaf.parent
+            assert parent is not None  # the root is locked: never a leaf evicted
             del parent.children[self._first_page(leaf.tokens)]
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_used, id(parent), parent))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from runtime.config import EngineConfig
@@ -71,7 +72,7 @@ class Scheduler:
         # and the pages the request takes back (with a prefix cache, its whole pages are in the tree: only the tail)
         self.adopted: dict[int, tuple[list[int], list[int]]] = {}
 
-    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: list[int] = (), pin: bool = False) -> Request:
+    def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = (), pin: bool = False) -> Request:
         """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's where
         no adopted KV holds them (adopt);
         `pin`: a prefix warm-up, whose prompt stays in the prefix cache once it has run."""
@@ -118,9 +119,11 @@ class Scheduler:
         self._freed, self.admitted = [], []
         if self._resync:  # an engine over the pool a dead one left: the running requests' slots open again
             for request in self.running:
+                assert request.slot is not None  # a running request holds a slot
                 plan.new_slots.append(self._new_slot(request))
                 plan.pages.append((request.slot, list(request.pages)))
         budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
+        assert budget is not None  # EngineConfig fills in the device's default
         for request in list(self.running):
             if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
                 continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
@@ -204,6 +207,7 @@ class Scheduler:
 
     @staticmethod
     def _new_slot(request: Request) -> NewSlot:
+        assert request.slot is not None  # admitted, or running
         return NewSlot(
             request.slot, request.rid, request.params, request.seed, request.prompt_ids, list(request.output_ids), request.computed
         )
@@ -211,9 +215,11 @@ class Scheduler:
     def _fully_planned(self, request: Request) -> bool:
         """Do the steps in flight already draw its last token by length?"""
         drawn = request.computed - len(request.prompt_ids) + 1
+        assert request.params.max_tokens is not None  # add() fills it in
         return drawn >= request.params.max_tokens or request.computed + 1 >= self.max_position
 
     def _feed(self, request: Request, count: int, plan: StepPlan) -> None:
+        assert request.slot is not None  # only running requests are fed
         if request.decoding:
             plan.decodes.append(request.slot)
         else:
@@ -276,6 +282,7 @@ class Scheduler:
                 return False
         if needed:
             pages = self.allocator.alloc(needed)
+            assert pages is not None and request.slot is not None  # _reserve made room; a request grows while it runs
             request.pages += pages
             plan.pages.append((request.slot, pages))
         return True
@@ -292,12 +299,14 @@ class Scheduler:
         """Recompute later: drop its KV and slot, keep its tokens, and queue it first (of its priority)."""
         self.preemptions += 1
         self.running.remove(request)
+        assert request.slot is not None  # a running request holds a slot
         plan.freed.append(request.slot)
         self._release_slot(request)
         self._drop_pages(request)
         self._queue(request, first=True)
 
     def _release_slot(self, request: Request) -> None:
+        assert request.slot is not None
         del self._by_slot[request.slot]
         self._free_slots.append(request.slot)
         request.slot, request.decoding = None, False
@@ -305,6 +314,7 @@ class Scheduler:
     def _drop_pages(self, request: Request) -> None:
         self.allocator.free(request.pages[request.shared_pages :])
         if request.prefix is not None:
+            assert self.cache is not None  # only the prefix cache gives a prefix
             self.cache.unlock(request.prefix)
         request.pages, request.shared_pages, request.prefix, request.computed, request.confirmed = [], 0, None, 0, 0
 
@@ -340,12 +350,14 @@ class Scheduler:
         params = request.params
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
+        assert params.max_tokens is not None  # add() fills it in
         if len(request.output_ids) >= params.max_tokens or len(request.tokens) >= self.max_position:
             return "length"
         return None
 
     def _finish(self, request: Request) -> None:
         self.running.remove(request)
+        assert request.slot is not None  # a running request holds a slot
         self._freed.append(request.slot)
         self._release_slot(request)
         if self.cache is not None:
@@ -366,6 +378,7 @@ class Scheduler:
             if request is None:
                 return None
             self.running.remove(request)
+            assert request.slot is not None  # a running request holds a slot
             self._freed.append(request.slot)
             self._release_slot(request)
             self._drop_pages(request)
@@ -382,6 +395,7 @@ class Scheduler:
     def _pin(self, prompt_ids: list[int]) -> None:
         """Lock a warmed prompt's whole pages as a running request's prefix is locked, so that no
         eviction or flush takes them; once per prefix, and at most half the pool in all."""
+        assert self.cache is not None  # warm-ups are pinned only in a prefix cache
         pages, node = self.cache.match(prompt_ids)
         key = tuple(prompt_ids[: len(pages) * self.page_size])
         if pages and key not in self.pins and self.pinned_pages + len(pages) <= self.allocator.num_pages // 2:
@@ -392,6 +406,7 @@ class Scheduler:
         """Release every warmed prefix to ordinary eviction; returns the pages they held."""
         pages = self.pinned_pages
         for node, _ in self.pins.values():
+            assert self.cache is not None  # pins are made only in a prefix cache
             self.cache.unlock(node)
         self.pins = {}
         return pages

@@ -86,7 +86,7 @@ def _tool_tag(spec: dict[str, Any]) -> Any:
     its tool's parameter schema. xgrammar's `required` lets free text surround the calls; OpenAI's
     means calls alone, so there its calls are taken without the text (one a line)."""
     import xgrammar as xgr
-    from xgrammar.structural_tag import SequenceFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
+    from xgrammar.structural_tag import Format, SequenceFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
 
     tag = xgr.get_model_structural_tag(
         TOOL_FORMATS[spec["parser"]],
@@ -97,7 +97,7 @@ def _tool_tag(spec: dict[str, Any]) -> Any:
         max_whitespace_cnt=MAX_WHITESPACE,
     )
     if spec["tool_choice"] == "required":
-        parts = tag.format.elements if isinstance(tag.format, SequenceFormat) else [tag.format]
+        parts: list[Format] = tag.format.elements if isinstance(tag.format, SequenceFormat) else [tag.format]
         calls = parts[-1]
         assert isinstance(calls, TriggeredTagsFormat)
         parts[-1] = TagsWithSeparatorFormat(tags=calls.tags, separator="\n", at_least_one=True, stop_after_first=calls.stop_after_first)

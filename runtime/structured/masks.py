@@ -53,6 +53,7 @@ class GrammarMasks:
 
         if self._compiler is None:
             self._load_compiler(load_tokenizer(self.model_dir, required=True))
+            assert self._compiler is not None
         return self._compiler.compile_grammar(xgr.Grammar.deserialize_json(build_grammar(*guide)))
 
     def warm_up(self, device: torch.device) -> None:
@@ -68,6 +69,7 @@ class GrammarMasks:
         import xgrammar as xgr
 
         stops = sorted({*self.eos_token_ids, *params.stop_token_ids})
+        assert params.guide is not None  # only a guided slot is opened
         self._slots[slot] = _Slot(xgr.GrammarMatcher(self._compile(params.guide), override_stop_tokens=stops))
 
     def close(self, slot: int) -> None:
@@ -130,7 +132,8 @@ class GrammarMasks:
         if logits.is_cuda:  # from pinned memory: xgrammar's copy of a list is pageable, and waits for the device's queue
             indices = torch.tensor(rows, dtype=torch.int32, pin_memory=True).to(logits.device, non_blocking=True)
         bitmask = bitmask.to(logits.device, non_blocking=True)
-        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)
+        # xgrammar annotates indices as a list, and takes a device tensor of them as well
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=indices)  # pyright: ignore[reportArgumentType]
 
     def _feed(self, slot: int, output: list[int]) -> _Slot | None:
         """The slot's matcher after its new tokens; None if the slot is not constrained, or no longer:

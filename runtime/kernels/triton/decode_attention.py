@@ -179,8 +179,8 @@ def decode_attention(
         scale,
         *kv_scales,
         rope.cos_sin if rope is not None else part_out,
-        rope.q_norm if norm else part_out,
-        rope.k_norm if norm else part_out,
+        rope.q_norm if norm else part_out,  # pyright: ignore[reportOptionalMemberAccess]  # norm: rope is set
+        rope.k_norm if norm else part_out,  # pyright: ignore[reportOptionalMemberAccess]
         rope.eps if rope is not None else 0.0,
         HEADS=heads,
         KV_HEADS=kv_heads,

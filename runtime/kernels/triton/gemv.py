@@ -158,16 +158,18 @@ def gemv(
 def norm_linear(
     h: torch.Tensor, residual: torch.Tensor | None, norm: torch.nn.Module, linear: torch.nn.Module, tile: tuple[int, int]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """linear(RMSNorm(h + residual)) and the new residual (h where there was none), in one kernel."""
+    """linear(RMSNorm(h + residual)) and the new residual (h where there was none), in one kernel.
+    The `pyright: ignore`s here and below: torch types a Module's attributes as Tensor | Module, and
+    gemv returns the new residual whenever it is given one."""
     if residual is None:
-        return gemv(h, linear.weight, linear.bias, tile, prologue=NORM, norm_weight=norm.weight, eps=norm.eps)[0], h
-    return gemv(h, linear.weight, linear.bias, tile, prologue=ADD_NORM, residual=residual, norm_weight=norm.weight, eps=norm.eps)
+        return gemv(h, linear.weight, linear.bias, tile, prologue=NORM, norm_weight=norm.weight, eps=norm.eps)[0], h  # pyright: ignore[reportArgumentType]
+    return gemv(h, linear.weight, linear.bias, tile, prologue=ADD_NORM, residual=residual, norm_weight=norm.weight, eps=norm.eps)  # pyright: ignore[reportArgumentType, reportReturnType]
 
 
 def silu_linear(gate_up: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor | None = None, *, tile: tuple[int, int]) -> torch.Tensor:
     """linear(SiLU(gate) · up) (+ add), in one kernel."""
-    return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU, add=add)[0]
+    return gemv(gate_up, linear.weight, linear.bias, tile, prologue=SILU, add=add)[0]  # pyright: ignore[reportArgumentType]
 
 
 def linear_add(x: torch.Tensor, linear: torch.nn.Module, add: torch.Tensor, *, tile: tuple[int, int]) -> torch.Tensor:
-    return gemv(x, linear.weight, linear.bias, tile, add=add)[0]
+    return gemv(x, linear.weight, linear.bias, tile, add=add)[0]  # pyright: ignore[reportArgumentType]
