@@ -70,7 +70,7 @@ def _rank(rank: int, size: int, rendezvous: str, hidden: int, out: str) -> None:
     device = torch.device("cuda", rank)
     torch.cuda.set_device(device)
     dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device)
-    group = dist.group.WORLD.group_name
+    group = dist.group.WORLD.group_name  # pyright: ignore[reportOptionalMemberAccess]  # set: the group is initialized
     if hasattr(symm_mem, "enable_symm_mem_for_group"):
         symm_mem.enable_symm_mem_for_group(group)
     stream = torch.cuda.Stream()
@@ -87,14 +87,15 @@ def _rank(rank: int, size: int, rendezvous: str, hidden: int, out: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.allreduce", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--gpus", type=int, default=2)
     parser.add_argument("--hidden", type=int, default=4096)
     parser.add_argument("--out", default="benchmarks/results/allreduce.json")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         rendezvous = os.path.join(tmp, "rendezvous")
-        mp.spawn(_rank, (args.gpus, rendezvous, args.hidden, os.path.abspath(args.out)), nprocs=args.gpus)
+        # spawn is public, though torch.multiprocessing's __all__ leaves it out
+        mp.spawn(_rank, (args.gpus, rendezvous, args.hidden, os.path.abspath(args.out)), nprocs=args.gpus)  # pyright: ignore[reportPrivateImportUsage]
 
 
 if __name__ == "__main__":

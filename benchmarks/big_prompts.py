@@ -119,7 +119,7 @@ def _tree() -> str | None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.big_prompts", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.big_prompts", description=__doc__.split("\n\n")[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", help="default: SmolLM2-135M-Instruct")
     parser.add_argument("--api-workers", type=int, default=API_WORKERS)
     parser.add_argument("--samples", type=int, default=40, help="short requests timed in each phase")

@@ -388,7 +388,7 @@ def _kind_entry(entry: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.chaos", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--quick", action="store_true", help="one kill per kind, 64 short streams: minutes, not more")
     parser.add_argument(

@@ -49,7 +49,7 @@ def side(short: int, long: int, tokens: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_decode", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.cpu_decode", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tokens", type=int, default=64, help="decode steps timed per prompt length")
     parser.add_argument("--short", type=int, default=46, help="prompt tokens (vs_hf's short prompts: 46 in the template)")

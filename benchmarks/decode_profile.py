@@ -58,11 +58,12 @@ def _breakdown(step: list[dict]) -> tuple[float, float, dict[str, list[float]]]:
 
 def profile_decode(model: str, tp: int, tokens: int, **options) -> dict:
     llm = LLM(model, device="cuda", dtype="bfloat16", dummy_weights=True, tensor_parallel_size=tp, **options)
-    greedy = SamplingParams(max_tokens=256, temperature=0, ignore_eos=True)
+    steps = 256
+    greedy = SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True)
     llm.generate([PROMPT], greedy)  # warm-up
     start = time.perf_counter()
     llm.generate([PROMPT], greedy)
-    tok_per_s = greedy.max_tokens / (time.perf_counter() - start)
+    tok_per_s = steps / (time.perf_counter() - start)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         llm.generate([PROMPT], SamplingParams(max_tokens=tokens + 1, temperature=0, ignore_eos=True))
     llm.close()
@@ -92,7 +93,7 @@ def profile_decode(model: str, tp: int, tokens: int, **options) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.decode_profile", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", required=True, help="a folder with config.json (weights are random)")
     parser.add_argument("--tp", type=int, nargs="+", default=[1], help="tensor-parallel sizes, profiled in turn")
     parser.add_argument("--tokens", type=int, default=48, help="decode steps profiled")

@@ -84,7 +84,7 @@ def offline_floor(shape: Shape, cfg: ModelConfig, args: argparse.Namespace) -> t
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.floors", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.floors", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", type=Path, required=True, help="a folder with config.json")
     parser.add_argument("--bandwidth", type=float, required=True, help="the card's measured copy bandwidth, TB/s")
     parser.add_argument("--tflops", type=float, required=True, help="its measured dense GEMM rate at the weights' dtype, TFLOP/s")

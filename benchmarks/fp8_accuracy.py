@@ -82,7 +82,7 @@ def agreement(ours: list[list[int]], baseline: list[list[int]]) -> float:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_accuracy", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.fp8_accuracy", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", help="a model folder or hub id (default: the default model)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", default="auto")
@@ -94,12 +94,14 @@ def main(argv: list[str] | None = None) -> None:
         if args.device.startswith("cuda") and "kv_cache_dtype" in options:
             continue  # not on CUDA yet (README, FP8)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, **options)
+        assert llm.tokenizer is not None, "the text needs the model's tokenizer"
         ids = ids or llm.tokenizer.encode(fixed_text(), add_special_tokens=False)
         ppl, cont = perplexity(llm, ids), continuations(llm, ids)
         baseline = baseline or cont
         results[mode] = {"perplexity": round(ppl, 4), "greedy_agreement": round(agreement(cont, baseline), 4)}
         print(mode, results[mode], flush=True)
         llm.close()
+    assert ids is not None  # the baseline mode always runs
     base = results["baseline"]["perplexity"]
     for found in results.values():
         found["perplexity_change"] = f"{100 * (found['perplexity'] / base - 1):+.2f}%"

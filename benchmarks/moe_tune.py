@@ -69,7 +69,7 @@ def tune(cfg: ModelConfig, tp: int, token_counts: list[int], path: Path) -> dict
             except OutOfResources:  # more shared memory than the GPU has
                 continue
         timed = {tiles: ms * 1e3 for tiles, ms in best_times(graphs).items()}
-        best = min(timed, key=timed.get)
+        best = min(timed, key=timed.__getitem__)
         default = timed.get(default_tiles(tokens * moe.top_k))
         table[tokens] = dataclasses.asdict(best)
         report.append(
@@ -83,13 +83,14 @@ def tune(cfg: ModelConfig, tp: int, token_counts: list[int], path: Path) -> dict
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_tune", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.moe_tune", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", type=Path, required=True, help="a folder with a Qwen3-MoE config.json")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks: each holds 1/tp of every expert")
     parser.add_argument("--tokens", type=int, nargs="+", default=list(TOKENS), help="token counts, tuned in this order")
     parser.add_argument("--out", type=Path, help="also write the timings here")
     args = parser.parse_args(argv)
     cfg = ModelConfig.load(args.model)
+    assert cfg.moe is not None, f"{args.model} is not a MoE model"
     name = table_name(cfg.moe.num_experts, cfg.moe.intermediate_size // args.tp, cfg.moe.top_k, torch.cuda.get_device_name())
     TUNED.mkdir(exist_ok=True)
     found = tune(cfg, args.tp, args.tokens, TUNED / name)

@@ -172,7 +172,7 @@ def run_pipeline(
 def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, EngineConfig, ServeConfig | None]:
     """The benchmark's own flags, `ringllm serve`'s engine flags (EngineConfig's, random weights by default) and
     the serving settings of SERVE_FLAGS; the engine's config, and the server's for a pipeline run (None in-process)."""
-    parser = argparse.ArgumentParser(prog="ringllm bench offline", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="ringllm bench offline", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", required=True, help="a folder with config.json and a tokenizer (weights are random)")
     parser.add_argument("--in-process", action="store_true", help="drive the engine directly, without the actor pipeline")
     parser.add_argument("--single", action="store_true", help="also one request of 512 greedy tokens")

@@ -317,7 +317,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
         "max_concurrency": args.max_concurrency,
         "command": args.command,
         **({"server_config": config} if config is not None else {}),
-        **(server_counts(before, after) if after is not None else {}),
+        **(server_counts(before, after) if before is not None and after is not None else {}),
         **summarize(outcomes, duration, dict(args.goodput or [])),
     }
 
@@ -325,7 +325,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
 def report(result: dict) -> str:
     """vLLM's printed block."""
 
-    def row(label: str, value: int | float) -> str:
+    def row(label: str, value: int | float | str) -> str:
         return (f"{label:<40} {value:<10.2f}" if isinstance(value, float) else f"{label:<40} {value:<10}").rstrip()
 
     lines = [
@@ -387,7 +387,7 @@ def slo(text: str) -> tuple[str, float]:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     argv = sys.argv[1:] if argv is None else argv
-    p = argparse.ArgumentParser(prog="ringllm bench serve", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="ringllm bench serve", description=__doc__.split("\n\n")[0])  # pyright: ignore[reportOptionalMemberAccess]
     p.add_argument("--base-url", default=f"http://127.0.0.1:{DEFAULT_PORT}", help="the server's root URL")
     p.add_argument(
         "--endpoint",

@@ -75,7 +75,7 @@ async def _run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.spare_stall", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.spare_stall", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--seconds", type=float, default=35.0, help="of load, the kill 5 s into it")

@@ -57,6 +57,8 @@ KIND = 1
 SEQ = struct.Struct("<Q")
 DEFAULT_OUT = Path(__file__).parent / "results" / "transport-cpu.json"
 
+# what either transport sends and receives; the stubs call none of these a buffer before Python 3.12 (PEP 688),
+# hence the `pyright: ignore`s where they are handed on
 Buffer = bytes | bytearray | memoryview | zmq.Frame
 Send = Callable[[Buffer], object]
 Recv = Callable[[], Buffer]
@@ -87,7 +89,7 @@ class RingChannel:
 
     def open_send(self, stack: ExitStack) -> Send:
         writer = stack.enter_context(closing(RingWriter(self.handle)))
-        return partial(writer.send, KIND, 0, timeout=STALL_S)
+        return partial(writer.send, KIND, 0, timeout=STALL_S)  # pyright: ignore[reportReturnType]
 
     def open_recv(self, stack: ExitStack) -> Recv:
         reader = stack.enter_context(closing(RingReader(self.handle)))
@@ -116,7 +118,7 @@ class ZmqChannel:
         return sock
 
     def open_send(self, stack: ExitStack) -> Send:
-        return partial(self._socket(stack, zmq.PUSH).send, copy=self.copy)
+        return partial(self._socket(stack, zmq.PUSH).send, copy=self.copy)  # pyright: ignore[reportReturnType]
 
     def open_recv(self, stack: ExitStack) -> Recv:
         return partial(self._socket(stack, zmq.PULL).recv, copy=self.copy)
@@ -175,7 +177,7 @@ def _drain(conn: Connection, inbound: Channel, frames: int) -> None:
         recv()  # the sender's hello: the link is up
         conn.send(None)
         for expected in range(frames):
-            (seq,) = SEQ.unpack_from(recv())
+            (seq,) = SEQ.unpack_from(recv())  # pyright: ignore[reportArgumentType]
             if seq != expected:
                 raise RuntimeError(f"frame {expected} arrived as {seq}")
         conn.send(time.perf_counter_ns())  # CLOCK_MONOTONIC: comparable with the parent's clock
@@ -253,7 +255,7 @@ def run(plan: Plan) -> dict[str, dict[str, float]]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.transport", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.transport", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--quick", action="store_true", help="fewer samples; writes nothing unless --out is given")
     parser.add_argument("--out", type=Path, help=f"where the JSON goes (default for full runs: {DEFAULT_OUT})")
     args = parser.parse_args(argv)

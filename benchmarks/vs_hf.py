@@ -69,7 +69,8 @@ def prompts(tokenizer: Tokenizer, count: int, seed: int) -> dict[str, list[Messa
     rng, out = random.Random(seed), {}
     for size, length in SIZES.items():
         texts = [" ".join(rng.choices(WORDS, k=2 * length)) for _ in range(count)]
-        out[size] = [[{"role": "user", "content": tokenizer.decode(tokenizer.encode(t)[:length]).strip()}] for t in texts]
+        # transformers types decode's result as str | list[str]: one sequence's is a str
+        out[size] = [[{"role": "user", "content": tokenizer.decode(tokenizer.encode(t)[:length]).strip()}] for t in texts]  # pyright: ignore[reportAttributeAccessIssue]
     return out
 
 
@@ -159,16 +160,18 @@ def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) 
     from runtime.engine.engine import resolve_dtype
 
     device = torch.device(args.device)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device)).to(device).eval()
+    # the `pyright: ignore`s in this function: transformers' annotations of from_pretrained, apply_chat_template
+    # (with return_dict, a BatchEncoding) and generate do not fit what they return and accept
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=resolve_dtype(args.dtype, device)).to(device).eval()  # pyright: ignore[reportArgumentType]
 
     def generate(messages: Messages, max_tokens: int) -> tuple[int, int]:
-        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(device)
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=True).to(device)  # pyright: ignore[reportAttributeAccessIssue]
         streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
         result: dict = {}
 
         def work() -> None:
             try:
-                result["ids"] = model.generate(
+                result["ids"] = model.generate(  # pyright: ignore[reportAttributeAccessIssue]
                     **inputs, streamer=streamer, max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False
                 )
             except BaseException as exc:
@@ -241,7 +244,7 @@ def with_own_server(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namesp
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.vs_hf", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.vs_hf", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
     parser.add_argument("--model", help="a model folder or hub id (default: SmolLM2-135M-Instruct)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument(
