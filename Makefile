@@ -37,7 +37,7 @@ test-fast: venv lint
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/basedpyright
+	$(VENV)/bin/basedpyright --project pyproject.toml
 
 # docs/cli.md from the parser itself; tests/test_config_cli.py fails while it is stale.
 docs: venv
