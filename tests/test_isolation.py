@@ -95,7 +95,7 @@ async def test_a_hostile_backlog_gives_every_client_its_own_answer(smol_server, 
     ]
     for i, (status, body) in enumerate(replies[:LONG_COUNT]):
         message = body.get("error", {}).get("message", "")
-        found = re.search(r"the prompt has (\d+)", message)
+        found = re.search(r"\((\d+) in the messages", message)
         if status != 400 or found is None or int(found[1]) != counts[i]:
             wrong.append((i, counts[i], status, message[:120] or body))
     for i, ((status, body), (_, expected)) in enumerate(zip(replies[LONG_COUNT:], alone)):
