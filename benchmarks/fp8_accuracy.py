@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
     ids = None
     for mode, options in MODES.items():
         if args.device.startswith("cuda") and "kv_cache_dtype" in options:
-            continue  # not on CUDA yet (README, FP8)
+            continue  # not on CUDA yet (docs/fp8.md)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, **options)
         assert llm.tokenizer is not None, "the text needs the model's tokenizer"
         ids = ids or llm.tokenizer.encode(fixed_text(), add_special_tokens=False)

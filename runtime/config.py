@@ -213,7 +213,7 @@ class EngineConfig(CliConfig):
             metavar="N",
         ),
     )
-    # off by default: measured in the engine, NCCL was as fast (README, Tensor parallelism)
+    # off by default: measured in the engine, NCCL was as fast (benchmarks/results/README.md, tensor parallelism)
     custom_all_reduce: bool = field(
         default=False,
         metadata=flag("CUDA, --tp > 1: all-reduces of up to 4 MiB through torch's symmetric-memory one-shot kernel instead of NCCL"),

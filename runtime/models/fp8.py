@@ -63,7 +63,7 @@ def per_channel_round_trip(weight: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def quantize_per_channel(model: torch.nn.Module) -> int:
     """Round every projection of `model` through per-row FP8, in place; returns how many. The rounded
-    weights run in the model's dtype (README, FP8)."""
+    weights run in the model's dtype (docs/fp8.md)."""
     names = [name for name, _ in model.named_parameters() if name.endswith(QUANTIZED)]
     params = dict(model.named_parameters())
     for name in names:
