@@ -1,10 +1,11 @@
 """The actor base: one pipeline stage per OS process, running on asyncio (uvloop).
 
 An actor is forked by the supervisor's forkserver (torch and transformers already imported
-there, so a start or a restart skips those imports). It runs `setup`, attaches to its rings,
-reports ready, then runs `run` beside a tick that writes its heartbeat, follows the epoch and
-watches for a stop request. Every frame it reads goes through `admit`, the one epoch filter:
-frames of an older epoch are dropped, and a newer epoch resets soft state first.
+there, so a start or a restart skips those imports) and handed to the supervisor as its child
+(actors.forkserver). It runs `setup`, attaches to its rings, reports ready, then runs `run`
+beside a tick that writes its heartbeat, follows the epoch and watches for a stop request. Every
+frame it reads goes through `admit`, the one epoch filter: frames of an older epoch are dropped,
+and a newer epoch resets soft state first.
 
 A warm spare (ActorSpec.spare) runs `setup`, writes its pid in the row's `spare_pid` and then sleeps,
 touching neither the rest of the row nor its rings, until the supervisor promotes it in place of the
@@ -33,7 +34,6 @@ from actors.topology import ActorSpec
 from runtime.obs.gc_pauses import freeze_startup_heap, log_long_pauses
 from runtime.obs.logs import bind_process, configure_logging
 from transport import codec
-from transport.lifetime import on_parent_death
 from transport.ring import Frame, RingHandle, RingReader, RingWriter, recv_any_async
 from transport.wakeup import Doorbell
 
@@ -51,7 +51,6 @@ class ActorContext:
     inputs: dict[str, RingHandle]  # keyed by the peer that writes
     outputs: dict[str, RingHandle]  # keyed by the peer that reads
     doorbell: Doorbell  # the supervisor rings it to announce a stop request or a new epoch
-    supervisor_pid: int
     heartbeat_s: float
     rendezvous: str | None = None  # a group member's meeting file (ActorSpec.group)
     standby: Standby | None = None  # a warm spare's: set up, then wait to be promoted
@@ -82,7 +81,7 @@ class Actor:
         self._peers: list[str] = []
         self._readers: list[RingReader] = []
         self._yielded = time.monotonic()
-        self._parent = os.getppid()  # the supervisor's forkserver: it exits when the supervisor does
+        self._parent = os.getppid()  # the supervisor
 
     async def setup(self) -> None:
         """Slow start-up work (weights, tokenizer) goes here, before the actor reports ready."""
@@ -223,20 +222,9 @@ class Actor:
         self.control.close()
 
 
-def _parent_of(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return int(stat.read().rpartition(b")")[2].split()[1])
-    except OSError:
-        return 0
-
-
 def actor_main(ctx: ActorContext) -> None:
-    """The target of every actor process. Its parent is the supervisor's forkserver, which dies with
-    the supervisor (actors.forkserver): an actor never outlives its supervisor."""
-    on_parent_death()
-    if _parent_of(os.getppid()) != ctx.supervisor_pid:  # the forkserver died before prctl took effect
-        os._exit(1)
+    """The target of every actor process, run by the forkserver's fork once this process is the supervisor's
+    child and dies with it (actors.forkserver): an actor never outlives its supervisor."""
     if not ctx.spec.torch_threads:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = "1"
         if (torch := sys.modules.get("torch")) is not None:  # preloaded by the forkserver

@@ -31,10 +31,11 @@ SLOT = np.dtype(
         ("stop", "<u4"),
         ("gauges", "<f8", (8,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
         ("spare_pid", "<i8"),  # its warm spare: the pid once set up (written by the spare), SPARE_STARTING, or 0
+        ("spare_process", "<i8"),  # its warm spare's pid from its start until it dies or is promoted, else 0
     ]
 )
 SPARE_STARTING = -1
-STATUS_KEYS = ("name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s")
+STATUS_KEYS = ("name", "kind", "pid", "state", "epoch", "restarts", "heartbeat_age_s", "spare_pid", "spare_state")
 
 
 class ActorState(IntEnum):
@@ -98,19 +99,28 @@ class ControlBlock:
         return [n for n, _ in self.actors].index(name)
 
     def status(self) -> list[dict]:
-        """One row per actor, with exactly STATUS_KEYS."""
+        """One row per actor, with exactly STATUS_KEYS. `spare_state`: None without a warm spare, "waiting" until
+        its start is due, "starting" while it sets up, "ready" once it stands by."""
         now = time.monotonic()
         rows = []
         for (name, kind), slot in zip(self.actors, self.slots):
             beat = float(slot["heartbeat"])
+            spare, process = int(slot["spare_pid"]), int(slot["spare_process"])
+            if process > 0:
+                spare_state = "ready" if spare == process else "starting"
+            else:
+                spare_state = "waiting" if spare == SPARE_STARTING else None
             rows.append(
                 {
                     "name": name,
                     "kind": kind,
                     "pid": int(slot["pid"]),
+                    "state": ActorState(int(slot["state"])).name.lower(),
                     "epoch": int(slot["epoch"]),
                     "restarts": int(slot["restarts"]),
                     "heartbeat_age_s": round(now - beat, 3) if beat else None,
+                    "spare_pid": process or None,
+                    "spare_state": spare_state,
                 }
             )
         return rows

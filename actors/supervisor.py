@@ -9,6 +9,11 @@ restart keeps the epoch (ActorSpec.keeps_epoch) only has its row's restart count
 Where the actor has a warm spare that is set up, the spare is promoted into its place instead of a
 cold start, and its successor starts `spare_delay_s` later, once the replay is done (the first
 spares, `spare_settle_s` after start-up).
+
+Start-up handles a death the same way, up to `startup_retries` times per actor; one more ends it.
+
+Actors are forked by a forkserver (actors.forkserver) but are the supervisor's children, a child
+subreaper: a forkserver's death takes none with it, and another forkserver starts at once.
 """
 
 from __future__ import annotations
@@ -21,18 +26,19 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
-from multiprocessing.process import BaseProcess
 from typing import cast
 
 import structlog
 
 from actors.base import ActorContext, Standby, actor_main
 from actors.control import SPARE_STARTING, ActorState, ControlBlock, pid_alive
+from actors.forkserver import Child, Forkserver
 from actors.gauges import PROGRESS_GAUGE
 from actors.topology import DEFAULT_PORT, Topology
 from runtime.cli_args import CliConfig, flag
 from runtime.obs.logs import configure_logging
 from runtime.obs.metrics import metrics, prepare_dir
+from transport.lifetime import become_subreaper
 from transport.ring import Ring
 from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_segment
 from transport.wakeup import Doorbell
@@ -42,7 +48,7 @@ log = structlog.get_logger()
 
 @dataclass(frozen=True)
 class Spare:
-    proc: BaseProcess
+    proc: Child
     standby: Standby
 
     def discard(self) -> None:
@@ -78,6 +84,14 @@ class SupervisorConfig(CliConfig):
         default=5.0,
         metadata=flag("the longest wait, in seconds, before restarting an actor that keeps dying before it is ready", ("--max-backoff",)),
     )
+    startup_retries: int = field(
+        default=3,
+        metadata=flag(
+            "times start-up starts again an actor that dies before the server is ready (with the restart backoff); "
+            "one more death ends start-up",
+            ("--startup-retries",),
+        ),
+    )
     # a warm spare's set-up competes for the cores: the first spares start once a new server has settled (its
     # first requests, a benchmark's warm-up), a replacement once the replay after a promotion is done
     spare_settle_s: float = field(default=5.0, metadata=flag("seconds from start-up to the first warm spares", ("--spare-settle",)))
@@ -98,16 +112,17 @@ class Supervisor:
     def __init__(self, topology: Topology, config: SupervisorConfig = SupervisorConfig()) -> None:
         self.topology = topology
         self.config = config
-        self._forkserver = mp.get_context("forkserver")  # a clean process that never touches CUDA
-        preload = sorted({module for actor in topology.actors for module in actor.preload})
-        self._forkserver.set_forkserver_preload(["actors.forkserver", *preload])
-        self._procs: dict[int, BaseProcess] = {}
+        self._forkserver = Forkserver(sorted({module for actor in topology.actors for module in actor.preload}))
+        self._procs: dict[int, Child] = {}
         self._started_at: dict[int, float] = {}
         self._restart_at: dict[int, float] = {}
         self._backoff: dict[int, float] = {}
         self._spares: dict[int, Spare] = {}  # actor index -> its warm spare
         self._spare_at: dict[int, float] = {}  # actor index -> when its next spare starts
         self._spare_backoff: dict[int, float] = {}  # for a spare that keeps dying before it is needed
+        self._up = False  # start-up is over: every actor was ready once
+        self._startup_deaths: dict[int, int] = {}  # actor index -> its deaths during start-up
+        self._taken_down: set[int] = set()  # actors the supervisor killed for another's death (a group, ActorSpec.needs)
         # how often each group (ActorSpec.group) has been started: names its rendezvous
         self._group_starts = {actor.group: 1 for actor in topology.actors if actor.group is not None}
         self._stopping = False
@@ -168,6 +183,7 @@ class Supervisor:
 
     def start(self) -> None:
         self._sweep_stale()
+        become_subreaper()  # the actors the forkserver forks become this process's children
         prepare_dir(SHM_DIR / self.metrics_dir)  # before any child is spawned: they inherit its name
         for spec in self.topology.actors:  # each actor's count exported at 0 from the start, as Prometheus advises
             metrics().restarts.labels(spec.name)
@@ -175,9 +191,11 @@ class Supervisor:
         for edge in self.topology.edges:
             self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)
         self._doorbells = [Doorbell() for _ in self.topology.actors]
+        self._forkserver.start()
         for index in range(len(self.topology.actors)):
             self._start_actor(index)
         self._await_ready()
+        self._up = True
         for index, spec in enumerate(self.topology.actors):
             if spec.spare:
                 self._schedule_spare(index, self.config.spare_settle_s)
@@ -197,51 +215,82 @@ class Supervisor:
             log.warning("removed_stale_segments", segments=removed)
 
     def _await_ready(self) -> None:
-        deadline = time.monotonic() + self.config.ready_timeout_s
+        """Until every actor is ready: one that dies starts again as after start-up (ActorSpec.needs, groups and
+        the backoff alike), up to startup_retries times (_on_exit); one not ready in ready_timeout_s ends it."""
         slots = self.control.slots
         while not all(slots["state"] == ActorState.READY):
             if self._stopping:
                 raise StartupError("stopped during start-up")
-            for index, proc in self._procs.items():
-                if not proc.is_alive():
-                    raise StartupError(f"{self._name(index)} exited with code {proc.exitcode} during start-up")
-            if time.monotonic() > deadline:
-                raise StartupError(f"actors not ready after {self.config.ready_timeout_s} s")
-            wait_any([p.sentinel for p in self._procs.values()] + [self._wake_r], timeout=0.05)
-            self._drain_wakeups()
+            now = time.monotonic()
+            for index in self._procs:
+                if slots[index]["state"] != ActorState.READY and now - self._started_at[index] > self.config.ready_timeout_s:
+                    raise StartupError(f"{self._name(index)} not ready after {self.config.ready_timeout_s} s")
+            self._handle_exits(timeout=0.05)
+            self._start_due()
 
     def watch(self) -> None:
         """Until a stop is requested: restart whatever dies or hangs."""
         while not self._stopping:
-            sentinels = {proc.sentinel: (index, proc) for index, proc in self._procs.items()}
-            spares = {spare.proc.sentinel: (index, spare) for index, spare in self._spares.items()}
-            # wait returns some of the objects it is given: here, file descriptors
-            for fired in cast("list[int]", wait_any([*sentinels, *spares, self._wake_r], timeout=self.config.check_interval_s)):
-                # an exit handled already, with another's (ActorSpec.needs), is not handled again
-                if fired in sentinels and self._procs.get(index := sentinels[fired][0]) is sentinels[fired][1]:
-                    self._on_exit(index)
-                elif fired in spares and self._spares.get(index := spares[fired][0]) is spares[fired][1]:
-                    self._on_spare_exit(index)
-            self._drain_wakeups()
+            self._handle_exits(timeout=self.config.check_interval_s)
             if self._stopping or self._drained():
                 break
             self._kill_hung()
             self._sample_rings()
-            now = time.monotonic()
-            for index, due in list(self._restart_at.items()):
-                if due <= now:
-                    del self._restart_at[index]
-                    self._start_actor(index)
-            for index, due in list(self._spare_at.items()):
-                if due <= now:
-                    del self._spare_at[index]
-                    self._start_spare(index)
+            self._start_due()
+
+    def _handle_exits(self, timeout: float) -> None:
+        """Wait up to `timeout` for an exit (an actor's, a spare's, the forkserver's) or a signal, and handle it."""
+        sentinels = {proc.sentinel: (index, proc) for index, proc in self._procs.items()}
+        spares = {spare.proc.sentinel: (index, spare) for index, spare in self._spares.items()}
+        forkserver = self._forkserver.proc
+        watched = [*sentinels, *spares, self._wake_r, *([forkserver.sentinel] if forkserver is not None else [])]
+        # wait returns some of the objects it is given: here, file descriptors
+        for fired in cast("list[int]", wait_any(watched, timeout=timeout)):
+            # an exit handled already, with another's (ActorSpec.needs), is not handled again
+            if fired in sentinels and self._procs.get(index := sentinels[fired][0]) is sentinels[fired][1]:
+                self._on_exit(index)
+            elif fired in spares and self._spares.get(index := spares[fired][0]) is spares[fired][1]:
+                self._on_spare_exit(index)
+            elif forkserver is not None and fired == forkserver.sentinel and self._forkserver.proc is forkserver:
+                forkserver.join()
+                log.warning("forkserver_exited", exitcode=forkserver.exitcode)
+                self._forkserver.start()  # the next spawn waits less for its imports; no actor died with it
+        self._drain_wakeups()
+        self._reap_strays()
+
+    def _start_due(self) -> None:
+        now = time.monotonic()
+        for index, due in list(self._restart_at.items()):
+            if due <= now:
+                del self._restart_at[index]
+                self._start_actor(index)
+        for index, due in list(self._spare_at.items()):
+            if due <= now:
+                del self._spare_at[index]
+                self._start_spare(index)
+
+    def _reap_strays(self) -> None:
+        """Reap children that are no actor, spare or forkserver of this supervisor: a subreaper inherits what
+        an actor's death orphans (its own children; a spawn's processes when the forkserver dies mid-way)."""
+        owned = {proc.pid for proc in self._procs.values()} | {spare.proc.pid for spare in self._spares.values()}
+        if self._forkserver.proc is not None:
+            owned.add(self._forkserver.proc.pid)
+        while True:
+            try:
+                found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+            except ChildProcessError:
+                return
+            if found is None or found.si_pid in owned:
+                return  # an owned one is reaped by its handler; a stray behind it, next time
+            os.waitpid(found.si_pid, 0)
 
     def stop(self) -> None:
         """Ask every actor to stop, kill stragglers, then unlink every segment."""
         self._stopping = True
         if self._control is None:  # nothing was created (another server owns the port)
             return
+        self._restart_at.clear()
+        self._spare_at.clear()
         for spare in self._spares.values():
             spare.discard()
         self._spares.clear()
@@ -260,6 +309,8 @@ class Supervisor:
                     proc.join()
                 proc.close()
         self._procs.clear()
+        self._forkserver.stop()
+        self._reap_strays()
         for ring in self._rings.values():
             ring.close()
         for bell in self._doorbells:
@@ -280,7 +331,7 @@ class Supervisor:
     def _name(self, index: int) -> str:
         return self.topology.actors[index].name
 
-    def _spawn(self, index: int, standby: Standby | None = None) -> BaseProcess:
+    def _spawn(self, index: int, standby: Standby | None = None) -> Child:
         spec = self.topology.actors[index]
         ctx = ActorContext(
             spec=spec,
@@ -289,21 +340,18 @@ class Supervisor:
             inputs={src: ring.handle for (src, dst), ring in self._rings.items() if dst == spec.name},
             outputs={dst: ring.handle for (src, dst), ring in self._rings.items() if src == spec.name},
             doorbell=self._doorbells[index],
-            supervisor_pid=os.getpid(),
             heartbeat_s=self.config.heartbeat_s,
             rendezvous=None if spec.group is None else str(SHM_DIR / self._rendezvous(spec.group)),
             standby=standby,
         )
-        proc = self._forkserver.Process(target=actor_main, args=(ctx,), name=f"ringllm-{spec.name}")
-        proc.start()
-        return proc
+        return self._forkserver.spawn(actor_main, ctx)
 
     def _reset_slot(self, index: int) -> None:
         """The actor's row afresh under the current epoch: before its process can write to it."""
         slot = self.control.slots[index]
         slot["state"], slot["stop"], slot["heartbeat"], slot["epoch"] = ActorState.STARTING, 0, 0.0, self.control.epoch
 
-    def _own(self, index: int, proc: BaseProcess) -> None:
+    def _own(self, index: int, proc: Child) -> None:
         self.control.slots[index]["pid"] = proc.pid
         self._procs[index] = proc
         self._started_at[index] = time.monotonic()
@@ -315,13 +363,16 @@ class Supervisor:
         log.info("actor_started", child=spec.name, kind=spec.kind, pid=proc.pid, epoch=self.control.epoch)
 
     def _schedule_spare(self, index: int, delay: float) -> None:
-        self.control.slots[index]["spare_pid"] = SPARE_STARTING  # on its way, from now on
+        slot = self.control.slots[index]
+        slot["spare_pid"], slot["spare_process"] = SPARE_STARTING, 0  # on its way, from now on
         self._spare_at[index] = time.monotonic() + delay
 
     def _start_spare(self, index: int) -> None:
-        standby = Standby(self._forkserver.Event(), self._forkserver.Event())
+        events = mp.get_context("spawn")  # not fork's: its semaphores cannot be sent to another process
+        standby = Standby(events.Event(), events.Event())
         proc = self._spawn(index, standby)
         self._spares[index] = Spare(proc, standby)
+        self.control.slots[index]["spare_process"] = proc.pid
         log.info("spare_started", child=self._name(index), pid=proc.pid)
 
     def _promote_spare(self, index: int) -> bool:
@@ -350,6 +401,16 @@ class Supervisor:
     def _on_exit(self, index: int) -> None:
         proc = self._procs.pop(index)
         proc.join()
+        if index in self._taken_down:
+            self._taken_down.discard(index)
+        elif not self._up:  # a death of its own during start-up: restarted startup_retries times at most
+            deaths = self._startup_deaths[index] = self._startup_deaths.get(index, 0) + 1
+            if deaths > self.config.startup_retries:
+                proc.close()
+                raise StartupError(
+                    f"{self._name(index)} exited with code {proc.exitcode} during start-up, its death number {deaths} "
+                    f"(--startup-retries {self.config.startup_retries})"
+                )
         self._restart_dependents(index)
         slots, group = self.control.slots, self.topology.actors[index].group
         members = [index] if group is None else self._members(group)
@@ -372,6 +433,7 @@ class Supervisor:
         if live := [m for m in members if m in self._procs]:
             for member in live:  # each exit comes back here; the last one restarts the group
                 self._procs[member].kill()
+                self._taken_down.add(member)
             return
         unlink_segment(self._rendezvous(group))
         self._group_starts[group] += 1
@@ -390,6 +452,7 @@ class Supervisor:
                 self._schedule_spare(dependent, self.config.spare_delay_s)
             if (proc := self._procs.get(dependent)) is not None:
                 proc.kill()
+                self._taken_down.add(dependent)
                 self._on_exit(dependent)
 
     def _members(self, group: str) -> list[int]:

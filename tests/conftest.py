@@ -260,10 +260,11 @@ class Server:
         return time.monotonic() - started
 
 
-def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Server:
+def launch(model_dir: Path, log: Path, *args: str, model: str = "model", ready: bool = True) -> Server:
     """`ringllm serve`, in float32 unless args say otherwise: tests compare with fp32 transformers. No warm
     spares unless asked for: on the 2-core machine their set-up would compete with each test's load
-    (benchmarks.chaos, run by tests/test_recovery.py, and tests/test_supervisor.py cover them)."""
+    (benchmarks.chaos, run by tests/test_recovery.py, and tests/test_supervisor.py cover them). `ready`:
+    return once it is ready, else at once."""
     port = free_port()
     if "--dtype" not in args:
         args = (*args, "--dtype", "float32")
@@ -290,6 +291,8 @@ def launch(model_dir: Path, log: Path, *args: str, model: str = "model") -> Serv
             preexec_fn=stop_with_parent,
         )
     server = Server(port, model, proc, log)
+    if not ready:
+        return server
     try:
         wait_for(lambda: proc.poll() is not None or b'"topology_ready"' in log.read_bytes(), 180, "the server to be ready")
         assert proc.poll() is None, log.read_text()[-5000:]

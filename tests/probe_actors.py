@@ -11,6 +11,7 @@ import tempfile
 import time
 import zlib
 from collections import Counter
+from collections.abc import Callable
 
 import orjson
 
@@ -127,6 +128,19 @@ class Stall(Actor):
         await asyncio.Event().wait()
 
 
+class Flaky(Echo):
+    """An echo whose set-up dies (exit 1) its first `deaths` times on a server; -1: every time."""
+
+    async def setup(self) -> None:
+        path = f"{report_path(self.ctx.server)}.{self.name}-starts"
+        with open(path, "a+b") as starts:
+            starts.write(b".")
+            starts.seek(0)
+            count = len(starts.read())
+        if self.options["deaths"] < 0 or count <= self.options["deaths"]:
+            raise RuntimeError(f"{self.name} dies in its set-up, start {count}")
+
+
 def _spec(name: str, cls: str, watchdog_s: float | None = None, spare: bool = False, **options) -> ActorSpec:
     return ActorSpec(name=name, kind=name, entry=f"tests.probe_actors:{cls}", options=options, watchdog_s=watchdog_s, spare=spare)
 
@@ -170,3 +184,24 @@ def watched_chain(server: str) -> Topology:
 def stalled(server: str) -> Topology:
     """One actor whose step makes no progress, under a short watchdog (1.5 s)."""
     return Topology(server=server, actors=(_spec("stall", "Stall", watchdog_s=1.5),))
+
+
+def flaky_chain(deaths: int) -> Callable[[str], Topology]:
+    def topology(server: str) -> Topology:
+        return Topology(
+            server=server,
+            actors=(_spec("source", "Source"), _spec("echo", "Flaky", deaths=deaths), _spec("sink", "Checksum", delay_s=0.001)),
+            edges=(Edge("source", "echo", 256 << 10), Edge("echo", "sink", 256 << 10)),
+        )
+
+    return topology
+
+
+def twice_flaky_chain(server: str) -> Topology:
+    """The chain whose echo dies in its set-up twice, then starts."""
+    return flaky_chain(2)(server)
+
+
+def doomed_chain(server: str) -> Topology:
+    """The chain whose echo dies in its set-up every time."""
+    return flaky_chain(-1)(server)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Awaitable, Callable
 
 import aiohttp
 import orjson
@@ -75,6 +76,70 @@ def test_chaos_stops_at_once_with_the_error_of_a_server_that_cannot_start(served
     assert time.monotonic() - started < 60  # not the 300 s a healthy start may take
 
 
+async def faulted_load(server, bodies: list[dict], fault: Callable[[], Awaitable[None]], mid_stream: bool = True) -> tuple[list, list]:
+    """A fault-free load (the reference), then the same load with `fault` awaited as it runs (once every stream
+    has begun, if `mid_stream`): the streams of both."""
+    async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+        reference = await _load(http, bodies)
+        streams = [Stream() for _ in bodies]
+        load = asyncio.create_task(_load(http, bodies, streams))
+        deadline = time.monotonic() + 30
+        while mid_stream and not all(s.token_ids for s in streams):
+            assert time.monotonic() < deadline, "the streams did not start"
+            await asyncio.sleep(0.005)
+        await fault()
+        return reference, await load
+
+
+def events(server, event: str, **match) -> list[dict]:
+    lines = (orjson.loads(line) for line in server.log.read_bytes().splitlines() if line.startswith(b"{"))
+    return [e for e in lines if e.get("event") == event and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_engine_deaths_in_start_up_are_retried_and_a_dead_forkserver_drops_no_stream(served, tmp_path):
+    """The engine killed during start-up three times, each at another phase of its set-up: just forked, before
+    any of it; building the model (after fused_ops); its weights loaded (after weights_loaded). Start-up
+    restarts it each time (the restart backoff; within the default --startup-retries), and the server comes up
+    and serves. Then the forkserver is killed under load: no actor restarts, and every stream ends as its
+    fault-free twin."""
+    server = launch(served, tmp_path / "serve.log", ready=False)
+    try:
+        launched, kills = time.monotonic(), []
+
+        def next_engine() -> int | None:
+            started = [e["pid"] for e in events(server, "actor_started", child="engine")]
+            return started[len(kills)] if len(started) > len(kills) else None
+
+        for phase in (None, "fused_ops", "weights_loaded"):
+            pid = wait_for(next_engine, 60, "the engine's start")
+            if phase is not None:
+                wait_for(lambda phase=phase, pid=pid: events(server, phase, actor="engine", pid=pid), 60, f"the engine's {phase}")
+            os.kill(pid, signal.SIGKILL)
+            kills.append(round(time.monotonic() - launched, 2))
+        wait_for(lambda: server.proc.poll() is not None or events(server, "topology_ready"), 120, "the server to be ready")
+        assert server.proc.poll() is None, server.log.read_text()[-3000:]
+        print(f"engine killed {kills} s into start-up; ready after {time.monotonic() - launched:.1f} s")
+        deaths = events(server, "actor_restarting", child="engine")
+        assert [e["exitcode"] for e in deaths] == [-signal.SIGKILL] * 3
+        assert max(e["timestamp"] for e in deaths) < events(server, "topology_ready")[0]["timestamp"]  # all in start-up
+
+        bodies = _bodies(8, 48, server.model)
+        (forkserver,) = [e["pid"] for e in events(server, "forkserver_started")]
+
+        async def kill_forkserver() -> None:
+            os.kill(forkserver, signal.SIGKILL)
+
+        rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        reference, streams = asyncio.run(faulted_load(server, bodies, kill_forkserver))
+        assert all(s.error is None for s in streams)
+        assert [(s.text, s.token_ids, s.finish) for s in streams] == [(s.text, s.token_ids, s.finish) for s in reference]
+        wait_for(lambda: len(events(server, "forkserver_started")) == 2, 30, "another forkserver")
+        after = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        assert [(r["pid"], r["epoch"], r["restarts"]) for r in after] == [(r["pid"], r["epoch"], r["restarts"]) for r in rows]
+    finally:
+        assert server.stop() < 5
+
+
 def server_processes(server) -> list[psutil.Process]:
     return psutil.Process(server.proc.pid).children(recursive=True)
 
@@ -102,23 +167,14 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
     pid = next(row["pid"] for row in rows if row["name"] == victim)
 
-    async def scenario():
-        async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
-            reference = await _load(http, bodies)
-            streams = [Stream() for _ in bodies]
-            load = asyncio.create_task(_load(http, bodies, streams))
-            deadline = time.monotonic() + 30
-            while victim == "detokenizer" and not all(s.token_ids for s in streams):  # mid-stream: every stream has begun
-                assert time.monotonic() < deadline, "the streams did not start"
-                await asyncio.sleep(0.005)
-            os.kill(pid, signal.SIGSTOP)
-            await asyncio.sleep(0.3)  # work piles up in the frozen actor's ring
-            os.kill(pid, signal.SIGKILL)
-            return reference, await load
+    async def freeze_then_kill() -> None:
+        os.kill(pid, signal.SIGSTOP)
+        await asyncio.sleep(0.3)  # work piles up in the frozen actor's ring
+        os.kill(pid, signal.SIGKILL)
 
     epoch = server.get("/server_info")["epoch"]
     logged = len(server.log.read_bytes().splitlines())
-    reference, streams = asyncio.run(scenario())
+    reference, streams = asyncio.run(faulted_load(server, bodies, freeze_then_kill, mid_stream=victim == "detokenizer"))
     assert all(s.error is None for s in streams)
     assert [(s.text, s.token_ids, s.finish) for s in streams] == [(s.text, s.token_ids, s.finish) for s in reference]
     assert server.get("/server_info")["epoch"] == epoch

@@ -14,7 +14,6 @@ import orjson
 import psutil
 import pytest
 
-from actors.control import ControlBlock
 from benchmarks.server import stop_with_parent
 from tests.conftest import ROOT, RunningSupervisor, ringllm, wait_for
 from tests.probe_actors import report_path
@@ -45,12 +44,14 @@ def test_status_lists_every_actor(start_supervisor, server):
     sup = start_supervisor(CHAIN)
     rows = sup.status()
     assert [r["name"] for r in rows] == ["source", "echo", "sink"]
+    keys = ["name", "kind", "pid", "state", "epoch", "restarts", "heartbeat_age_s", "spare_pid", "spare_state"]
     for row in rows:
-        assert list(row) == ["name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s"]
-        assert psutil.pid_exists(row["pid"]) and row["epoch"] == 1 and row["restarts"] == 0
+        assert list(row) == keys
+        assert psutil.pid_exists(row["pid"]) and row["epoch"] == 1 and row["restarts"] == 0 and row["state"] == "ready"
         assert 0 <= row["heartbeat_age_s"] < 5
+        assert row["spare_pid"] is row["spare_state"] is None  # no actor of the chain has a warm spare
     table = ringllm("status", "--port", server).stdout.splitlines()
-    assert table[0].split() == ["name", "kind", "pid", "epoch", "restarts", "heartbeat_age_s"]
+    assert table[0].split() == keys
     assert [line.split()[0] for line in table[1:]] == ["source", "echo", "sink"]
     wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
     assert sink_report(server)["errors"] == []
@@ -80,30 +81,25 @@ def test_sigkill_restarts_under_new_epoch_and_drops_old_frames(start_supervisor,
     assert all(r["epoch"] == 2 for r in sup.status())
 
 
-def spare_pid(server: str, name: str) -> int:
-    control = ControlBlock.attach(server)
-    try:
-        return int(control.slots[control.index(name)]["spare_pid"])
-    finally:
-        control.close()
-
-
-def spares(sup: RunningSupervisor) -> set[int]:
-    """The forkserver's children that no row of the control block names: warm spares standing by."""
-    forkserver = psutil.Process(psutil.Process(sup.actor("source")["pid"]).ppid())
-    return {child.pid for child in forkserver.children()} - {row["pid"] for row in sup.status()}
+def spares(sup: RunningSupervisor, state: str | None = None) -> set[int]:
+    """The warm spares `ringllm status` lists (in `state`, if given)."""
+    return {row["spare_pid"] for row in sup.status() if row["spare_pid"] is not None and state in (None, row["spare_state"])}
 
 
 @pytest.mark.slow
 def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_supervisor, server):
     """A spare that dies is started again; a killed actor's spare takes its place (its pid, already
-    running, in the actor's row) under a new epoch, frames flow again, and a new spare starts."""
+    running, in the actor's row) under a new epoch, frames flow again, and a new spare starts. `ringllm
+    status` lists each spare, its pid and its state."""
     sup = start_supervisor("tests.probe_actors:spared_chain", "--spare-settle", "0", "--spare-delay", "0.2")
     wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
     (first,) = wait_for(lambda: spares(sup) or None, 20, "a spare to start")
+    assert first in {child.pid for child in psutil.Process(sup.proc.pid).children()}  # a process of the supervisor's
     os.kill(first, signal.SIGKILL)
     (spare,) = wait_for(lambda: (found := spares(sup) - {first}) and found, 20, "the dead spare to be replaced")
-    wait_for(lambda: spare_pid(server, "echo") == spare, 20, "the new spare's set-up")  # one still setting up is not promoted
+    wait_for(lambda: spares(sup, "ready") == {spare}, 20, "the new spare's set-up")  # one still setting up is not promoted
+    table = ringllm("status", "--port", server).stdout.splitlines()
+    assert [line.split()[-2:] for line in table[1:]] == [["-", "-"], [str(spare), "ready"], ["-", "-"]]
     old_pid = sup.actor("echo")["pid"]
     os.kill(old_pid, signal.SIGKILL)
     row = wait_for(lambda: restarted(sup, "echo", old_pid), 20, "echo to be replaced")
@@ -111,6 +107,7 @@ def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_su
     new_sink = sup.actor("sink")["pid"]
     report = wait_for(lambda: (r := sink_report(server, new_sink)) and accepted_in(r, 2) > 50 and r, 20, "frames of epoch 2")
     assert report["errors"] == []
+    assert sup.actor("echo")["spare_state"] in ("waiting", "starting", "ready")
     wait_for(lambda: spares(sup) - {spare} or None, 20, "the next spare")
 
 
@@ -234,3 +231,65 @@ def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path
         if proc.poll() is None:
             proc.kill()
         remove_segments(server_prefix(server))
+
+
+def log_events(log: bytes, event: str) -> list[dict]:
+    lines = (orjson.loads(line) for line in log.splitlines() if line.startswith(b"{"))
+    return [line for line in lines if line.get("event") == event]
+
+
+def test_an_actor_that_dies_during_start_up_is_started_again(start_supervisor, server):
+    """Start-up handles a death as the running server does (a new epoch, the restart backoff): an echo whose
+    set-up dies twice comes up at its third start, within the default --startup-retries, and frames flow."""
+    sup = start_supervisor("tests.probe_actors:twice_flaky_chain")
+    row = sup.actor("echo")
+    assert row["restarts"] == 2 and row["state"] == "ready" and row["epoch"] == 3
+    assert [e["exitcode"] for e in log_events(sup.log.read_bytes(), "actor_restarting")] == [1, 1]
+    wait_for(lambda: accepted_in(sink_report(server), 3) > 50, 20, "frames to flow")
+    assert sink_report(server)["errors"] == []
+
+
+def test_an_actor_that_keeps_dying_ends_start_up_with_its_error_and_leaves_nothing(server, tmp_path, monkeypatch):
+    """One death more than --startup-retries ends start-up: exit 1, the error names the actor, its exit code and
+    how often it died, and no process (the forkserver's included) nor segment is left behind."""
+    monkeypatch.setenv("RINGLLM_PROBE_DIR", str(tmp_path))
+    command = [sys.executable, "-m", "actors.supervisor", "tests.probe_actors:doomed_chain", "--port", server, "--startup-retries", "2"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, timeout=60, preexec_fn=stop_with_parent)
+    assert done.returncode == 1, done.stderr[-3000:]
+    (failed,) = log_events(done.stderr, "startup_failed")
+    assert failed["error"] == "echo exited with code 1 during start-up, its death number 3 (--startup-retries 2)"
+    assert len(log_events(done.stderr, "actor_restarting")) == 2
+    assert (tmp_path / f"probe-{server}.json.echo-starts").read_bytes() == b"..."
+    pids = [e["pid"] for e in log_events(done.stderr, "actor_started") + log_events(done.stderr, "forkserver_started")]
+    assert len(pids) == 3 + 2 + 1
+    wait_for(lambda: not any(psutil.pid_exists(pid) for pid in pids), 10, "every process to be gone")
+    assert not list_segments(server_prefix(server))
+
+
+def forkservers(sup: RunningSupervisor) -> list[int]:
+    return [event["pid"] for event in log_events(sup.log.read_bytes(), "forkserver_started")]
+
+
+def test_a_dead_forkserver_takes_no_actor_with_it(start_supervisor, server):
+    """Actors are the supervisor's children, not the forkserver's: a forkserver killed while frames flow
+    restarts no actor (the same pids, epoch 1, the stream going on unbroken). Another forkserver starts at
+    once and forks the next restart, of an actor killed right after it."""
+    sup = start_supervisor(CHAIN)
+    wait_for(lambda: accepted_in(sink_report(server), 1) > 50, 20, "frames to flow")
+    before = sup.status()
+    supervisor = psutil.Process(sup.proc.pid)
+    assert {row["pid"] for row in before} <= {child.pid for child in supervisor.children()}
+    (forkserver,) = forkservers(sup)
+    assert forkserver in {child.pid for child in supervisor.children()}
+    accepted = accepted_in(sink_report(server), 1)
+    os.kill(forkserver, signal.SIGKILL)
+    wait_for(lambda: accepted_in(sink_report(server), 1) > accepted + 200, 20, "frames to flow on")
+    assert [(r["pid"], r["epoch"], r["restarts"]) for r in sup.status()] == [(r["pid"], 1, 0) for r in before]
+    (_, successor) = wait_for(lambda: len(found := forkservers(sup)) == 2 and found, 20, "another forkserver")
+    echo = sup.actor("echo")["pid"]
+    os.kill(echo, signal.SIGKILL)
+    row = wait_for(lambda: restarted(sup, "echo", echo), 20, "echo to restart")
+    assert psutil.Process(row["pid"]).ppid() == sup.proc.pid and psutil.pid_exists(successor)
+    wait_for(lambda: accepted_in(sink_report(server), 2) > 50, 20, "frames of epoch 2")
+    assert sink_report(server)["errors"] == []
+    assert [e["exitcode"] for e in log_events(sup.log.read_bytes(), "forkserver_exited")] == [-signal.SIGKILL]
