@@ -26,6 +26,13 @@ TOP_LEVEL_GUIDES = {
     "json_schema": "json_schema",
 }
 TOOL_NAME = re.compile(r"^[a-zA-Z0-9_.-]{1,64}$")
+# a tool's function fields beside its name, as OpenAI's API types them: the type, what an error calls it, and
+# whether null stands for absent
+TOOL_FUNCTION_FIELDS = {
+    "description": (str, "a string", True),
+    "parameters": (dict, "a JSON schema (an object)", False),
+    "strict": (bool, "a boolean", True),
+}
 MAX_SPEC_CHARS = 64 << 10  # of a schema, regex, grammar, choice list or tool list: each slot of the request carries it
 
 
@@ -152,16 +159,26 @@ def tools_of(body: dict) -> Tools | None:
 
 
 def _tool_name(i: int, tool: Any) -> str:
-    function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str) or not TOOL_NAME.match(function["name"]):
+    """A tool's name, once every field of it has the type OpenAI's API gives it (a field of the wrong type would
+    reach the template, and the grammar of a forced choice would not see the tool)."""
+    if not isinstance(tool, dict):
         raise ApiError(
-            f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}} with a name of "
-            "letters, digits, '_', '.' or '-' (at most 64)",
-            param=f"tools[{i}]",
+            f"tools[{i}] must be {{'type': 'function', 'function': {{'name': ..., 'parameters': {{...}}}}}}", param=f"tools[{i}]"
         )
-    if not isinstance(function.get("parameters", {}), dict):
-        raise ApiError(f"tools[{i}].function.parameters must be a JSON schema (an object)", param=f"tools[{i}].function.parameters")
-    return function["name"]
+    if tool.get("type") != "function":
+        raise ApiError(f"tools[{i}].type must be 'function'", param=f"tools[{i}].type")
+    function = tool.get("function")
+    if not isinstance(function, dict):
+        raise ApiError(f"tools[{i}].function must be an object with a 'name'", param=f"tools[{i}].function")
+    name = function.get("name")
+    if not isinstance(name, str) or not TOOL_NAME.match(name):
+        raise ApiError(
+            f"tools[{i}].function.name must be a string of letters, digits, '_', '.' or '-' (at most 64)", param=f"tools[{i}].function.name"
+        )
+    for key, (kind, what, nullable) in TOOL_FUNCTION_FIELDS.items():
+        if key in function and not isinstance(function[key], kind) and not (nullable and function[key] is None):
+            raise ApiError(f"tools[{i}].function.{key} must be {what}", param=f"tools[{i}].function.{key}")
+    return name
 
 
 def tool_guide(tools: Tools, parser: str, reasoning: bool) -> Guide:

@@ -315,6 +315,13 @@ BAD = {
     "an unsupported structured_outputs key": ({"structured_outputs": {"structural_tag": "{}"}}, "exactly one"),
     "a named tool that is not given": ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "nope"),
     "a tool without a name": ({"tools": [{"type": "function", "function": {"parameters": {}}}]}, "tools[0]"),
+    "a named tool whose description is an object": (
+        {
+            "tools": [{"type": "function", "function": {"name": "f", "description": {}}}],
+            "tool_choice": {"type": "function", "function": {"name": "f"}},
+        },
+        "tools[0].function.description must be a string",
+    ),
     "a tool schema of an unknown type": (
         {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "nonsense"}}}], "tool_choice": "required"},
         "nonsense",
