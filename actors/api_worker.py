@@ -21,6 +21,7 @@ import asyncio
 import itertools
 import random
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import first_counter, make_rid
 from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
+from api.connections import ConnectionGuard, ConnectionLimits, GuardedSite, connection_cap, runner_options
 from api.errors import ApiError
 from api.protocol import Limits
 from runtime.config import ModelConfig
@@ -48,13 +50,14 @@ log = structlog.get_logger()
 PING_S = 1.0  # a ping goes through the pipeline this often
 WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0)  # a warm-up request: prefill, and one greedy token
 FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
-HEALTHY_WITHIN_S = 3.0  # /health is 200 while the last pong is this recent
+STALLED_AFTER_S = 10.0  # /health says "stalled" once no ping has come back for this long (a loaded pipeline is slow, not down)
 
 
 @dataclass
 class LiveRequest:
     submit: Submit
     inbox: asyncio.Queue
+    client: str  # its API key or address (api.app), whose share of the server it counts in
     generated: list[int] = field(default_factory=list)
     answered: bool = False  # a delta came back: the request is past the tokenizer
     text_chars: int = 0  # of text streamed so far
@@ -77,9 +80,14 @@ class ApiWorker(Actor):
         self._tokenizer_slot = self.control.index("tokenizer")
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
         self.capacity = serve.engine.max_running_requests + serve.max_queued_requests
-        self.request_timeout = serve.request_timeout
-        self.body_timeout = serve.body_timeout
+        self.request_timeout, self.body_timeout, self.write_timeout = serve.request_timeout, serve.body_timeout, serve.write_timeout
+        self.max_stream_backlog, self.max_request_sequences = serve.max_stream_backlog, serve.max_request_sequences
+        self.client_places = max(1, int(serve.client_share * self.capacity / serve.api_workers))  # one client's, in this worker
+        self.cache_salt_by_key = serve.cache_salt_by_key
+        # with a key the key guards the server; "*": the operator lets every Host in
+        self.allowed_hosts = None if self.api_keys or "*" in serve.allowed_hosts else (*serve.allowed_hosts, serve.host)
         self.live: dict[int, LiveRequest] = {}
+        self.by_client: Counter[str] = Counter()  # live requests of each client
         self._counter = itertools.count(first_counter(int(self.slot["restarts"])))
         self._workers = [i for i, (_, kind) in enumerate(self.control.actors) if kind == "api"]
         self.slot["gauges"][ApiGauge.LIVE] = 0  # a restarted worker holds nothing yet
@@ -93,14 +101,15 @@ class ApiWorker(Actor):
         self.warmed: list[dict] = (
             [{"prompt": p} if isinstance(p, str) else {"ids": p} for p in serve.warm_prefixes] if self.worker == 0 else []
         )
-        self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True)
+        limits = ConnectionLimits(connection_cap(serve.max_connections), serve.max_client_connections, serve.header_timeout)
+        self.runner = web.AppRunner(build_app(self), access_log=None, handler_cancellation=True, **runner_options(limits))
         await self.runner.setup()
-        await web.TCPSite(self.runner, serve.host, serve.port, reuse_port=True).start()
+        await GuardedSite(self.runner, serve.host, serve.port, ConnectionGuard(limits)).start()
 
     def on_epoch(self, epoch: int) -> None:
         """A backend actor restarted and dropped every request: hand them all in again (once: a
-        replay still under way belongs to an epoch that is gone). /health waits for a ping of
-        the new epoch to come back."""
+        replay still under way belongs to an epoch that is gone). /health says "recovering" until a
+        ping of the new epoch comes back."""
         self.last_pong = 0.0
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])  # this replay covers it
         loop = asyncio.get_running_loop()
@@ -187,26 +196,33 @@ class ApiWorker(Actor):
         await self.send("tokenizer", Ping(), make_rid(self.worker, 0))
 
     def _forget(self, rid: int) -> None:
-        self.live.pop(rid, None)
+        if (live := self.live.pop(rid, None)) is not None:
+            self.by_client[live.client] -= 1
+            if not self.by_client[live.client]:
+                del self.by_client[live.client]
         self.slot["gauges"][ApiGauge.LIVE] = len(self.live)
 
     # -- the Gateway the app talks to ---------------------------------------------------------
 
-    def check_capacity(self, count: int) -> None:
-        """Refuse at once, before any work, when `count` more requests would not fit: for now (Overloaded,
-        a 503 worth retrying), or ever (a 400: a retry would be refused again)."""
-        if count > self.capacity:
+    def check_capacity(self, count: int, client: str) -> None:
+        """Refuse at once, before any work, when `count` more requests of `client` would not fit: for now
+        (Overloaded, a 503 worth retrying), or ever (a 400: a retry would be refused again). Once half the
+        places are taken, a client that holds some already may hold no more than its share of them."""
+        most = min(self.capacity, self.max_request_sequences)
+        if count > most:
             raise ApiError(
-                f"the request asks for {count} completions (prompts x n), more than the {self.capacity} "
-                "this server runs and queues at once",
-                param="n",
+                f"the request asks for {count} completions (prompts x n); this server takes at most {most} in one request", param="n"
             )
         if self.control.draining:
             raise Overloaded("the server is shutting down")
-        if sum(self.control.slots[i]["gauges"][ApiGauge.LIVE] for i in self._workers) + count > self.capacity:
+        taken = sum(self.control.slots[i]["gauges"][ApiGauge.LIVE] for i in self._workers)
+        if taken + count > self.capacity:
             raise Overloaded("the server is at capacity: every running and queued place is taken")
+        held = self.by_client[client]
+        if held and taken + count > self.capacity // 2 and held + count > self.client_places:
+            raise Overloaded(f"this client holds {held} of the server's places, its share while the server is busy")
 
-    async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int:
+    async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue, client: str) -> int:
         rid = make_rid(self.worker, next(self._counter))
         params = meta["params"]
         if params.seed is None:  # picked here, so that a replay samples the same tokens
@@ -222,7 +238,8 @@ class ApiWorker(Actor):
             template=meta["template"],
             pin=meta.get("pin", False),
         )
-        self.live[rid] = LiveRequest(submit, inbox)
+        self.live[rid] = LiveRequest(submit, inbox, client)
+        self.by_client[client] += 1
         self.slot["gauges"][ApiGauge.LIVE] = len(self.live)
         try:
             await self.send("tokenizer", submit, rid)
@@ -287,7 +304,7 @@ class ApiWorker(Actor):
                 "template": None,
                 "pin": True,
             }
-            rids.append(await self.submit(meta, prefix.get("ids"), inbox))
+            rids.append(await self.submit(meta, prefix.get("ids"), inbox, "warm-up"))
         while len(usages) < len(rids):
             delta = await inbox.get()
             if "error" in delta:
@@ -297,7 +314,7 @@ class ApiWorker(Actor):
 
     async def _warm_again(self) -> None:
         """The start-up prefixes once the pipeline answers; after a new epoch, what this worker had warmed."""
-        while not self.healthy():
+        while self.health() != "ok":
             await asyncio.sleep(0.05)
         try:
             await self.warm(list(self.warmed))
@@ -308,9 +325,15 @@ class ApiWorker(Actor):
         token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
         return Limits(self.max_model_len, self.vocab_size, token_bytes, self.priorities, self.tool_call_parser, self.reasoning_parser)
 
-    def healthy(self) -> bool:
-        ready = bool((self.control.slots["state"] == ActorState.READY).all()) and not self.control.draining
-        return ready and time.monotonic() - self.last_pong < HEALTHY_WITHIN_S
+    def health(self) -> str:
+        """ "ok"; "draining" on the way down; "recovering" from an actor's start or restart until a ping of the
+        new epoch has come back through the pipeline (then "ok", however loaded the replay keeps it);
+        "stalled" when no ping has come back for STALLED_AFTER_S."""
+        if self.control.draining:
+            return "draining"
+        if not (self.control.slots["state"] == ActorState.READY).all() or not self.last_pong:
+            return "recovering"
+        return "stalled" if time.monotonic() - self.last_pong > STALLED_AFTER_S else "ok"
 
     def server_info(self) -> dict:
         """The KV cache's dtype and tokens, whether inference is deterministic; the schedulers' gauges: each

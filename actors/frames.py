@@ -264,21 +264,21 @@ class Deltas(Payload):
 class Adopt(Payload):
     """A new epoch's scheduler asks its engine (empty), and rank 0 answers with what its pool holds of the
     requests of the epoch before (runtime.engine.Engine.reset): a request replayed into this epoch takes
-    its KV back instead of recomputing it. Wire: [rid, tokens, pages] an entry; arrays: the tokens, the pages."""
+    its KV back instead of recomputing it. Wire: [rid, tokens, pages, salt] an entry; arrays: the tokens, the pages."""
 
     KIND = Kind.ADOPT
     held: list[HeldKV] = field(default_factory=list)
 
     def to_wire(self) -> Wire:
-        meta = [[rid, len(tokens), len(pages)] for rid, tokens, pages in self.held]
-        return meta, [[t for _, tokens, _ in self.held for t in tokens], [p for _, _, pages in self.held for p in pages]]
+        meta = [[rid, len(tokens), len(pages), salt] for rid, tokens, pages, salt in self.held]
+        return meta, [[t for _, tokens, _, _ in self.held for t in tokens], [p for _, _, pages, _ in self.held for p in pages]]
 
     @classmethod
     def from_wire(cls, meta: list, arrays: list) -> Adopt:
         tokens, pages = (a.tolist() for a in arrays)
         held, at, page_at = [], 0, 0
-        for rid, count, page_count in meta:
-            held.append((rid, tokens[at : at + count], pages[page_at : page_at + page_count]))
+        for rid, count, page_count, salt in meta:
+            held.append((rid, tokens[at : at + count], pages[page_at : page_at + page_count], salt))
             at, page_at = at + count, page_at + page_count
         return cls(held)
 

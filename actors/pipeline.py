@@ -49,6 +49,47 @@ class ServeConfig(CliConfig):
             "seconds a client may take to send a request's body; a body still incomplete then gets a 408 and its connection is closed"
         ),
     )
+    header_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds a connection may take to send a request's headers, from its start or from its last response; it is "
+            "closed then (an idle keep-alive connection too)"
+        ),
+    )
+    write_timeout: float = field(
+        default=30.0, metadata=flag("seconds a stream may wait for its client to read; a client that does not is aborted")
+    )
+    max_stream_backlog: int = field(
+        default=4096,
+        metadata=flag("tokens a stream may hold waiting for its client (all its choices); a client that falls further behind is aborted"),
+    )
+    max_connections: int = field(
+        default=4096,
+        metadata=flag("open connections each api worker keeps (below its file-descriptor limit); beyond, a 503 and the socket closed"),
+    )
+    max_client_connections: int = field(
+        default=1024, metadata=flag("open connections each api worker keeps from one client address; beyond, a 503 and the socket closed")
+    )
+    max_request_sequences: int = field(default=256, metadata=flag("completions one request may ask for (prompts x n); more get a 400"))
+    client_share: float = field(
+        default=0.5,
+        metadata=flag(
+            "once half the running and queued places are taken, the share of them one client (its API key, else its address) "
+            "may hold; beyond it, a 503 (each api worker counts its own share)"
+        ),
+    )
+    allowed_hosts: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "a Host header value served without --api-key besides IP addresses and localhost, a guard against DNS rebinding "
+            "(repeat for several; '*' serves any)",
+            ("--allowed-host",),
+            metavar="HOST",
+        ),
+    )
+    cache_salt_by_key: bool = field(
+        default=False, metadata=flag("keep each API key's prefix-cache entries apart from every other key's (tenants never share a prefix)")
+    )
     watchdog_timeout: float = field(
         default=60.0,
         metadata=flag(
@@ -127,6 +168,16 @@ class ServeConfig(CliConfig):
             raise ValueError(f"api_workers must be at least 1, not {self.api_workers}")
         if not self.body_timeout > 0:
             raise ValueError(f"body_timeout must be more than 0 seconds, not {self.body_timeout}")
+        for name in ("header_timeout", "write_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be more than 0 seconds, not {getattr(self, name)}")
+        for name in ("max_stream_backlog", "max_connections", "max_client_connections", "max_request_sequences"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, not {getattr(self, name)}")
+        if self.cache_salt_by_key and not self.api_keys:
+            raise ValueError("cache_salt_by_key needs API keys (--api-key) to tell tenants apart")
+        if not 0 < self.client_share <= 1:
+            raise ValueError(f"client_share must be more than 0 and at most 1, not {self.client_share}")
         if self.data_parallel_size < 1:
             raise ValueError(f"data_parallel_size must be at least 1, not {self.data_parallel_size}")
         if not self.stats_interval > 0:

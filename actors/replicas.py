@@ -34,11 +34,11 @@ class Replicas:
         self._sent = [0] * len(self.schedulers)
         self._taken_before = [self._gauge(r, SchedulerGauge.TAKEN) for r in range(len(self.schedulers))]
 
-    def place(self, prompt: Sequence[int]) -> str:
-        """The scheduler that takes a request with this prompt."""
+    def place(self, prompt: Sequence[int], salt: str | None = None) -> str:
+        """The scheduler that takes a request with this prompt and cache salt."""
         if len(self.schedulers) == 1:
             return self.schedulers[0]
-        replica = self._router.place(prompt, self.loads(), self.live())
+        replica = self._router.place(prompt, self.loads(), self.live(), salt)
         self._sent[replica] += 1
         return self.schedulers[replica]
 

@@ -238,7 +238,7 @@ class SchedulerActor(Actor):
             case Adopt(held=held) if self.adopting:
                 self.core.adopt(held)
                 self.adopting = False
-                log.info("adopted", requests=len(held), tokens=sum(len(tokens) for _, tokens, _ in held))
+                log.info("adopted", requests=len(held), tokens=sum(len(tokens) for _, tokens, _, _ in held))
                 asyncio.get_running_loop().call_later(ADOPT_GRACE_S, self._release_adopted, self.core)
 
             case Tokenized() as req:

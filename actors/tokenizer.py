@@ -184,7 +184,7 @@ class TokenizerActor(Actor):
                 param="prompt_logprobs",
             )
         elif req.guide is None or (params := await self._with_guide(sub, params, req.guide)) is not None:  # the prompt's text stays here
-            scheduler = self.replicas.place(ids)
+            scheduler = self.replicas.place(ids, params.cache_salt)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
 
     async def _with_guide(self, sub: Submission, params: SamplingParams, guide: tuple[str, str]) -> SamplingParams | None:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
 import importlib.metadata
+import ipaddress
 import itertools
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
@@ -44,12 +47,16 @@ class Gateway(Protocol):
 
     request_timeout: float | None
     body_timeout: float | None  # seconds a client may take to send a request's body
+    write_timeout: float  # seconds a stream may wait for its client to read
+    max_stream_backlog: int  # tokens a stream may hold for a client that has not read them
+    allowed_hosts: tuple[str, ...] | None  # Host values served besides IP addresses and localhost; None: any
+    cache_salt_by_key: bool  # each API key's prefix-cache entries apart from the others'
 
-    def check_capacity(self, count: int) -> None:
-        """Raise Overloaded when `count` more requests may not enter."""
+    def check_capacity(self, count: int, client: str) -> None:
+        """Raise Overloaded when `count` more requests of `client` may not enter now, ApiError when never."""
         ...
 
-    async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue) -> int: ...
+    async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue, client: str) -> int: ...
 
     async def abort(self, rid: int) -> None: ...
 
@@ -62,7 +69,9 @@ class Gateway(Protocol):
         """Prefill each prompt into the prefix cache and pin it there; each one's prompt and pinned tokens."""
         ...
 
-    def healthy(self) -> bool: ...
+    def health(self) -> str:
+        """/health's status: "ok" (200), else why not (503)."""
+        ...
 
     def limits(self) -> Limits:
         """What a request may ask of the served model, for the checks made before it is sent on."""
@@ -138,6 +147,15 @@ def _internal_error(exc: Exception, **where: str) -> ApiError:
     return ApiError(f"internal error: {type(exc).__name__}", 500, kind="server_error")
 
 
+def _cut_off(request: web.Request, rid: str, why: str) -> None:
+    """Drop a slow client's connection, unsent bytes and all (a graceful close would wait for it to read
+    them): its handler is cancelled, which aborts its unfinished choices."""
+    log.warning("slow_client_cut_off", rid=rid, why=why)
+    metrics().slow_client_aborts.inc()
+    if (transport := request.transport) is not None:
+        transport.abort()
+
+
 def _raise_if_refused(delta: dict) -> None:
     if "error" in delta:
         error = delta["error"]
@@ -149,28 +167,48 @@ class Overloaded(Exception):
 
 
 class Inbox(asyncio.Queue):
-    """A request's deltas; `get` fails the request once --request-timeout has passed."""
+    """A request's deltas; `get` fails the request once --request-timeout has passed. A client that
+    leaves more than `backlog` tokens unread (a stream it does not read: its writes wait) is cut
+    off: `on_overflow` runs once, and nothing more is kept."""
 
-    def __init__(self, timeout: float | None) -> None:
+    def __init__(self, timeout: float | None, backlog: int, on_overflow: Callable[[], None]) -> None:
         super().__init__()
         self.deadline = None if timeout is None else time.monotonic() + timeout
+        self.backlog, self.on_overflow = backlog, on_overflow
+        self.pending_tokens = 0
+        self.overflowed = False
+
+    def put_nowait(self, item: dict) -> None:
+        if self.overflowed:
+            return
+        self.pending_tokens += len(item.get("token_ids", ()))
+        if self.pending_tokens > self.backlog and not self.empty():  # one delta alone (a resync's catch-up) never trips it
+            self.overflowed = True
+            self.on_overflow()
+            return
+        super().put_nowait(item)
 
     async def get(self) -> dict:
         if self.deadline is None:
-            return await super().get()
-        try:
-            return await asyncio.wait_for(super().get(), max(0.0, self.deadline - time.monotonic()))
-        except TimeoutError:
-            raise ApiError("the request took longer than the server's --request-timeout", 408, code="timeout") from None
+            delta = await super().get()
+        else:
+            try:
+                delta = await asyncio.wait_for(super().get(), max(0.0, self.deadline - time.monotonic()))
+            except TimeoutError:
+                raise ApiError("the request took longer than the server's --request-timeout", 408, code="timeout") from None
+        self.pending_tokens -= len(delta.get("token_ids", ()))
+        return delta
 
 
 @dataclass
 class ChoiceState:
     index: int
     trace: str  # the id its log lines carry: the request's, with "/index" when it has several choices
+    # the whole choice's text, ids and logprobs, kept for an answer sent whole (a stream sends each delta on)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    generated: int = 0  # tokens so far
     finish: str | None = None
     matched_stop: str | int | None = None  # what ended a "stop" finish: a stop string, or the token
     usage: dict | None = None
@@ -275,6 +313,15 @@ class Handlers:
         c.id = rid
         return rid
 
+    def _client(self, request: web.Request) -> tuple[str, str | None]:
+        """Who sent the request, for its share of the server: its API key's digest where keys are set (the
+        key_check middleware let it in), else its address; and that digest, or None."""
+        if not self.gateway.api_keys:
+            return f"address:{request.remote}", None
+        given = request.headers.get("Authorization", "").partition(" ")[2].strip()
+        key = hashlib.sha256(given.encode()).hexdigest()[:32]
+        return f"key:{key}", key
+
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._complete(request, chat=True)
 
@@ -285,14 +332,17 @@ class Handlers:
         arrived = time.monotonic()
         c = parse(await self._body(request), chat, self.gateway.served_model, self.gateway.limits())
         rid = self._request_id(request, c)
+        client, key = self._client(request)
+        if self.gateway.cache_salt_by_key and key is not None:  # the key's own namespace, the request's salt within it
+            c.params = replace(c.params, cache_salt=f"{key}/{c.params.cache_salt or ''}")
         try:
-            self.gateway.check_capacity(len(c.prompts) * c.n)
+            self.gateway.check_capacity(len(c.prompts) * c.n, client)
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
             return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S), "X-Request-Id": rid})
         clock = RequestClock(rid, self.gateway.served_model, self.latency, arrived)
         log.info("received", rid=rid, path=request.path, stream=c.stream, prompts=len(c.prompts), n=c.n)
-        inbox = Inbox(self.gateway.request_timeout)
+        inbox = Inbox(self.gateway.request_timeout, self.gateway.max_stream_backlog, lambda: _cut_off(request, rid, "backlog"))
         choices: dict[int, ChoiceState] = {}
         try:
             for p, prompt in enumerate(c.prompts):
@@ -317,7 +367,7 @@ class Handlers:
                         "template": c.template,
                     }
                     state = ChoiceState(index, trace, output=self._chat_output(c) if c.stream else None)
-                    choices[await self.gateway.submit(meta, prompt.get("ids"), inbox)] = state
+                    choices[await self.gateway.submit(meta, prompt.get("ids"), inbox, client)] = state
             if c.stream:
                 return await self._stream(request, c, inbox, choices, clock)
             while any(s.finish is None for s in choices.values()):
@@ -339,9 +389,11 @@ class Handlers:
         if state.prompt is None and "prompt" in delta:  # with the first tokens (again after a replay: kept once)
             state.prompt = delta["prompt"]
             state.token_chars += sum(len(e["token"]) for e in _echoed(c, state)[1])
-        state.text.append(delta["text"])
-        state.token_ids += delta["token_ids"]
-        state.logprobs += delta.get("logprobs", [])
+        if not c.stream:
+            state.text.append(delta["text"])
+            state.token_ids += delta["token_ids"]
+            state.logprobs += delta.get("logprobs", [])
+        state.generated += len(delta["token_ids"])
         state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))
         state.usage = delta.get("usage", state.usage)  # with the first tokens (prompt and cache), and with the finish
         if delta["finish"] is not None:
@@ -374,9 +426,7 @@ class Handlers:
         """The request's usage so far: each prompt once, however many choices; choices not begun count nothing."""
         states = [s for s in choices.values() if s.usage is not None]
         firsts = [s.usage for s in states if s.index % c.n == 0 and s.usage is not None]
-        return usage(
-            sum(u["prompt_tokens"] for u in firsts), sum(len(s.token_ids) for s in states), sum(u["cached_tokens"] for u in firsts)
-        )
+        return usage(sum(u["prompt_tokens"] for u in firsts), sum(s.generated for s in states), sum(u["cached_tokens"] for u in firsts))
 
     def _whole(self, c: Completion, choices: dict[int, ChoiceState]) -> dict:
         out = []
@@ -424,7 +474,7 @@ class Handlers:
                 state.started = True
                 if c.include_usage:  # each chunk's running total with continuous_usage_stats, as vLLM
                     chunk["usage"] = self._usage(c, choices) if c.continuous_usage else None
-                await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
+                await self._write(request, response, clock.rid, b"data: " + orjson.dumps(chunk) + b"\n\n")
                 delta = await inbox.get() if any(s.finish is None for s in choices.values()) else None
         except ConnectionResetError:  # the client left; the caller's finally aborts what is unfinished
             return response
@@ -437,11 +487,20 @@ class Handlers:
             last = [{**envelope(c, chunk=True), "choices": [], "usage": self._usage(c, choices)}] if c.include_usage else []
         try:
             for data in [*map(orjson.dumps, last), b"[DONE]"]:
-                await response.write(b"data: " + data + b"\n\n")
+                await self._write(request, response, clock.rid, b"data: " + data + b"\n\n")
             await response.write_eof()
         except ConnectionResetError:  # the client left meanwhile: nothing more to tell it
             pass
         return response
+
+    async def _write(self, request: web.Request, response: web.StreamResponse, rid: str, data: bytes) -> None:
+        """One event onto the stream; a client that has not read for --write-timeout is cut off."""
+        try:
+            async with asyncio.timeout(self.gateway.write_timeout):
+                await response.write(data)
+        except TimeoutError:
+            _cut_off(request, rid, "write_timeout")
+            raise ConnectionResetError("the client stopped reading") from None
 
     def _model_card(self) -> dict:
         return {
@@ -465,8 +524,8 @@ class Handlers:
         return _json(self._model_card())
 
     async def health(self, request: web.Request) -> web.Response:
-        healthy = self.gateway.healthy()
-        return _json({"status": "ok" if healthy else "unavailable"}, 200 if healthy else 503)
+        status = self.gateway.health()
+        return _json({"status": status}, 200 if status == "ok" else 503)
 
     async def live(self, request: web.Request) -> web.Response:
         return _json({"status": "ok"})
@@ -516,9 +575,46 @@ def key_check(keys: tuple[str, ...]):
     return check
 
 
+def _host_name(host: str) -> str:
+    """A Host header's name: its port, and an IPv6 address's brackets, taken off; lower case."""
+    if host.startswith("["):
+        return host[1 : host.find("]")].lower()
+    return (host.rpartition(":")[0] if host.count(":") == 1 else host).lower()
+
+
+def _is_ip(name: str) -> bool:
+    try:
+        ipaddress.ip_address(name)
+    except ValueError:
+        return False
+    return True
+
+
+def host_check(allowed: tuple[str, ...]):
+    """A guard against DNS rebinding where no API key guards the server: a web page whose name an attacker
+    points at this machine reaches it with its own name as Host. Served are IP addresses (a page shown from
+    one is no rebinding), localhost and its subdomains, and the `allowed` names; the rest get a 403."""
+    names = {name.lower() for name in allowed}
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        host = request.headers.get(hdrs.HOST)
+        name = _host_name(host) if host else None
+        if name is None or _is_ip(name) or name == "localhost" or name.endswith(".localhost") or name in names:
+            return await handler(request)
+        shown = (host or "").encode("ascii", "backslashreplace").decode()
+        refusal = ApiError(
+            f"this server does not answer to the Host {shown!r}: start it with --allowed-host {_host_name(shown)} (or --api-key)", 403
+        )
+        return _json(refusal.body(), 403)
+
+    return check
+
+
 def build_app(gateway: Gateway) -> web.Application:
     keys = [key_check(gateway.api_keys)] if gateway.api_keys else []
-    app = web.Application(middlewares=[*keys, openai_errors], client_max_size=MAX_BODY_BYTES)
+    hosts = [host_check(gateway.allowed_hosts)] if gateway.allowed_hosts is not None else []
+    app = web.Application(middlewares=[*hosts, *keys, openai_errors], client_max_size=MAX_BODY_BYTES)
     h = Handlers(gateway)
     app.add_routes(
         [

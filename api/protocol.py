@@ -41,6 +41,7 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "frequency_penalty": (int, float),
     "repetition_penalty": (int, float),
     "priority": (int,),
+    "cache_salt": (str,),
 }
 # what the chat template takes, refused on /v1/completions rather than ignored
 CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")

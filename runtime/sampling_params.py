@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 GREEDY_BELOW = 1e-5  # temperatures under this draw greedily, as in vLLM: logits / 1e-38 overflow float32 to inf
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI allows
+MAX_CACHE_SALT = 1024  # characters
 
 
 class InvalidParams(ValueError):
@@ -39,6 +40,7 @@ RANGES: dict[str, tuple[Callable, str]] = {
     "logprobs": _within(0, MAX_LOGPROBS),
     "prompt_logprobs": _within(0, MAX_LOGPROBS),
     "priority": (lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
+    "cache_salt": (lambda v: 0 < len(v) <= MAX_CACHE_SALT, f"must be a non-empty string of at most {MAX_CACHE_SALT} characters"),
     "logit_bias": (lambda pairs: all(-100 <= b <= 100 for _, b in pairs), "must map token ids to biases between -100 and 100"),
 }
 
@@ -61,6 +63,8 @@ class SamplingParams:
     priority: int = 0  # under the priority schedule policy, lower goes first (as vLLM)
     guide: tuple[str, str] | None = None  # (kind, spec) of runtime.structured.grammars: draws keep to its grammar
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits, as OpenAI's
+    # vLLM's: the prefix cache's namespace; a request reuses only KV cached under the same salt (None: the shared one)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         """Lists become tuples (the frames carry lists), then every range is checked: the first that

@@ -44,8 +44,9 @@ class StepPlan:
         return bool(self.chunks or self.decodes)
 
 
-# a request's KV that an engine holds across a new epoch: its rid, the tokens whose KV the pool has, their pages
-HeldKV = tuple[int, list[int], list[int]]
+# a request's KV that an engine holds across a new epoch: its rid, the tokens whose KV the pool has, their pages,
+# and its cache salt (the prefix-cache tree they go back into)
+HeldKV = tuple[int, list[int], list[int], str | None]
 # a prompt token's log-probability given the tokens before it, its rank, and the top (id, log-probability) pairs there
 PromptLogprob = tuple[float, int, list[tuple[int, float]]]
 

@@ -294,7 +294,7 @@ async def test_a_request_id_that_is_not_utf8_is_replaced(smol_server) -> None:
     body = orjson.dumps({"model": smol_server.model, "prompt": "hi", "max_tokens": 2})
     reader, writer = await asyncio.open_connection("127.0.0.1", smol_server.port)
     writer.write(
-        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nX-Request-Id: \xff\xfe\r\n"
+        b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nX-Request-Id: \xff\xfe\r\n"
         b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
     )
     reply = await asyncio.wait_for(reader.read(), 30)
@@ -348,7 +348,7 @@ async def test_a_body_that_stalls_gets_408_and_its_connection_closed(smol_server
     started = time.monotonic()
     try:
         writer.write(
-            b'POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": "'
+            b'POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: 1000\r\n\r\n{"model": "'
         )
         await writer.drain()
         try:

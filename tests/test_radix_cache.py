@@ -53,6 +53,22 @@ def test_insert_splits_a_node_and_frees_duplicate_pages():
     assert node.tokens == (1, 2, 3, 4) and len(node.children) == 2  # the split point
 
 
+def test_a_salt_matches_only_what_was_cached_under_it_and_its_tree_goes_when_evicted():
+    allocator, cache = fresh()
+    shared = cached(cache, allocator, [1, 2, 3, 4])
+    pages = allocator.alloc(2)
+    assert cache.insert([1, 2, 3, 4], pages, salt="a") == 0  # the shared tree's copy is not this salt's
+    assert cache.match([1, 2, 3, 4, 5], salt="a")[0] == pages
+    assert cache.match([1, 2, 3, 4, 5], salt="b")[0] == []  # another salt finds nothing
+    assert cache.match([1, 2, 3, 4, 5])[0] == shared  # nor does the salt leak into the shared tree
+    node = cache.match([1, 2, 3, 4], salt="a")[1]
+    cache.lock(node)
+    assert cache.flush() == 2 and cache.salted  # the locked salted pages stay
+    cache.unlock(node)
+    assert cache.flush() == 2 and not cache.salted and allocator.num_free == 32
+    assert cache.match([1, 2, 3, 4], salt="a")[0] == []
+
+
 def test_reinserting_the_cached_pages_frees_nothing():
     allocator, cache = fresh()
     pages = cached(cache, allocator, [1, 2, 3, 4])
@@ -104,10 +120,10 @@ def test_a_new_scheduler_adopts_the_kv_an_engine_kept_and_replays_take_it_back(p
     config = EngineConfig(page_size=4, enable_prefix_cache=prefix_cache, max_prefill_tokens=64)
     scheduler = Scheduler(config, num_pages=16, eos_token_ids=(0,), max_position=256)
     shared = [11, 12, 13, 14]
-    held = [  # the engine's slots as Engine.reset reports them: rid, tokens with KV in the pool, their pages
-        (1, [*shared, 21, 22, 23, 24, 25, 26], [3, 5, 6]),
-        (2, [*shared, 31, 32], [3, 7]) if prefix_cache else (2, [*shared, 31, 32], [4, 7]),
-        (3, [41, 42, 43, 44, 45], [8, 9]),  # its request ended before its replay came
+    held = [  # the engine's slots as Engine.reset reports them: rid, tokens with KV in the pool, their pages, salt
+        (1, [*shared, 21, 22, 23, 24, 25, 26], [3, 5, 6], None),
+        (2, [*shared, 31, 32], [3, 7], None) if prefix_cache else (2, [*shared, 31, 32], [4, 7], None),
+        (3, [41, 42, 43, 44, 45], [8, 9], None),  # its request ended before its replay came
     ]
     scheduler.adopt(held)
     assert scheduler.allocator.num_free == 16 - (6 if prefix_cache else 7)

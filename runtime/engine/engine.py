@@ -469,12 +469,17 @@ class Engine:
 
     def reset(self) -> list[HeldKV]:
         """Forget every slot (a new epoch): the next plans open them afresh. Returns what the pool holds
-        of each slot's request (its rid, the tokens whose KV is written, their pages), for a new
+        of each slot's request (its rid, the tokens whose KV is written, their pages, its salt), for a new
         scheduler to adopt."""
         self._read_all()
         ps = self.config.page_size
         held = [
-            (state.rid, (state.prompt_ids + state.output_ids)[:length], self.page_table[slot, : -(-length // ps)].tolist())
+            (
+                state.rid,
+                (state.prompt_ids + state.output_ids)[:length],
+                self.page_table[slot, : -(-length // ps)].tolist(),
+                state.params.cache_salt,
+            )
             for slot, state in self.slots.items()
             if (length := int(self.lengths[slot]))
         ]

@@ -98,6 +98,12 @@ class Metrics:
             multiprocess_mode="mostrecent",
         )
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
+        self.refused_connections = Counter(
+            "ringllm:refused_connections", "Connections refused over --max-connections or --max-client-connections.", ()
+        )
+        self.slow_client_aborts = Counter(
+            "ringllm:slow_client_aborts", "Streams aborted because their client fell behind reading them.", ()
+        )
         self.ring_occupancy = Gauge(
             "ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.", ("edge",), multiprocess_mode="mostrecent"
         )

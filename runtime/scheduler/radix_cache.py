@@ -1,5 +1,10 @@
 """Radix-tree prefix cache over KV pages, matched a whole page at a time. A request locks the node
-its prefix ends at, which pins the path; unlocked leaves are evicted least recently used first."""
+its prefix ends at, which pins the path; unlocked leaves are evicted least recently used first.
+
+A cache salt (SamplingParams.cache_salt) names a tree of its own: a request matches and inserts only
+under its salt, so a client cannot learn from a cache hit (its `cached_tokens`, or its speed) what
+another salt's requests sent. Unsalted requests share one tree, which is never evicted as a whole;
+a salted tree goes once its last page has."""
 
 from __future__ import annotations
 
@@ -30,7 +35,16 @@ class RadixCache:
         self.page_size = page_size
         self.root = RadixNode()
         self.root.lock_ref = 1  # never evicted
+        self.salted: dict[str, RadixNode] = {}  # each salt's root, until an eviction finds it bare and unlocked
         self.cached_pages = 0
+
+    def _root(self, salt: str | None, create: bool) -> RadixNode | None:
+        if salt is None:
+            return self.root
+        root = self.salted.get(salt)
+        if root is None and create:
+            root = self.salted[salt] = RadixNode()
+        return root
 
     def _first_page(self, tokens: Sequence[int]) -> tuple[int, ...]:
         return tuple(tokens[: self.page_size])
@@ -55,9 +69,9 @@ class RadixCache:
         upper.children[self._first_page(node.tokens)] = node
         return upper
 
-    def _walk(self, tokens: Sequence[int]):
-        """Follow `tokens` down the tree, splitting where they part: yields (node, offset) per node."""
-        node, offset = self.root, 0
+    def _walk(self, tokens: Sequence[int], root: RadixNode):
+        """Follow `tokens` down from `root`, splitting where they part: yields (node, offset) per node."""
+        node, offset = root, 0
         end = len(tokens) - len(tokens) % self.page_size
         while offset < end:
             child = node.children.get(self._first_page(tokens[offset:]))
@@ -70,19 +84,26 @@ class RadixCache:
             yield child, offset
             node, offset = child, offset + shared
 
-    def match(self, tokens: Sequence[int]) -> tuple[list[int], RadixNode]:
-        """Pages of the longest cached page-aligned prefix of `tokens`, and the node it ends at."""
+    def match(self, tokens: Sequence[int], salt: str | None = None) -> tuple[list[int], RadixNode]:
+        """Pages of the longest page-aligned prefix of `tokens` cached under `salt`, and the node it ends at."""
         pages: list[int] = []
-        node = self.root
-        for node, _ in self._walk(tokens):
+        root = self._root(salt, create=False)
+        if root is None:  # nothing cached under this salt: the shared root stands in as the node to lock
+            return pages, self.root
+        node, root.last_used = root, next(_clock)
+        for node, _ in self._walk(tokens, root):
             pages += node.pages
         return pages, node
 
-    def insert(self, tokens: Sequence[int], pages: list[int]) -> int:
-        """Take ownership of `pages` (the KV of `tokens`), freeing duplicates; returns tokens cached before."""
+    def insert(self, tokens: Sequence[int], pages: list[int], salt: str | None = None) -> int:
+        """Take ownership of `pages` (the KV of `tokens`) under `salt`, freeing duplicates; returns tokens cached before."""
         assert len(tokens) == len(pages) * self.page_size
-        node, covered = self.root, 0
-        for node, offset in self._walk(tokens):
+        if not tokens:
+            return 0
+        root = self._root(salt, create=True)
+        assert root is not None  # created
+        node, root.last_used, covered = root, next(_clock), 0
+        for node, offset in self._walk(tokens, root):
             mine = pages[offset // self.page_size : offset // self.page_size + len(node.pages)]
             self.allocator.free(p for p, cached in zip(mine, node.pages) if p != cached)
             covered = offset + len(node.tokens)
@@ -106,7 +127,7 @@ class RadixCache:
         return sum(len(n.pages) for n in self._nodes() if n.lock_ref == 0)
 
     def _nodes(self):
-        stack = [self.root]
+        stack = [self.root, *self.salted.values()]
         while stack:
             node = stack.pop()
             stack.extend(node.children.values())
@@ -119,14 +140,16 @@ class RadixCache:
         freed = 0
         while freed < num_pages and leaves:
             _, _, leaf = heapq.heappop(leaves)
+            if leaf.parent is None:  # a salt's root: swept below
+                continue
             self.allocator.free(leaf.pages)
             freed += len(leaf.pages)
             self.cached_pages -= len(leaf.pages)
             parent = leaf.parent
-            assert parent is not None  # the root is locked: never a leaf evicted
             del parent.children[self._first_page(leaf.tokens)]
             if not parent.children and parent.lock_ref == 0:
                 heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        self.salted = {salt: root for salt, root in self.salted.items() if root.children or root.lock_ref}  # bare ones go
         return freed
 
     def flush(self) -> int:

@@ -18,9 +18,9 @@ POLICIES = ("cache_aware", "round_robin", "least_load")
 BLOCK = 16
 
 
-def block_keys(prompt: Sequence[int]) -> list[int]:
-    """One key per whole block, each naming the block and everything before it."""
-    keys, key = [], 0
+def block_keys(prompt: Sequence[int], salt: str | None = None) -> list[int]:
+    """One key per whole block, each naming the block, everything before it and the cache salt."""
+    keys, key = [], hash(salt)
     for start in range(0, len(prompt) - BLOCK + 1, BLOCK):
         key = hash((key, tuple(prompt[start : start + BLOCK])))
         keys.append(key)
@@ -35,8 +35,8 @@ class Router:
         self.seen: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(replicas)]
         self.turn = 0
 
-    def place(self, prompt: Sequence[int], loads: Sequence[int], live: Sequence[bool]) -> int:
-        """The replica for `prompt`, given each replica's load and whether it can serve now (all down:
+    def place(self, prompt: Sequence[int], loads: Sequence[int], live: Sequence[bool], salt: str | None = None) -> int:
+        """The replica for `prompt` (under its cache salt), given each replica's load and whether it can serve now (all down:
         any replica, whose scheduler holds the request until its engines are back)."""
         candidates = [r for r, up in enumerate(live) if up] or list(range(len(live)))
         self.turn += 1
@@ -46,7 +46,7 @@ class Router:
         least = [r for r in candidates if loads[r] == lightest]
         choice = least[self.turn % len(least)]  # ties in turn, so a burst before the gauges move still spreads
         if self.policy == "cache_aware":
-            keys = block_keys(prompt)
+            keys = block_keys(prompt, salt)
             matched = {r: self._matched(r, keys) for r in candidates}
             best = max(candidates, key=lambda r: (matched[r], -loads[r]))
             if matched[best] and loads[best] - lightest <= self.balance:

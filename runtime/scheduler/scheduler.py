@@ -161,14 +161,14 @@ class Scheduler:
         cache, every whole page goes into the tree (two requests may share them), and only a partial last
         page waits for its request."""
         taken: set[int] = set()
-        for rid, tokens, pages in held:
+        for rid, tokens, pages, salt in held:
             self.allocator.take(page for page in pages if page not in taken)
             taken.update(pages)
             if self.cache is None:
                 self.adopted[rid] = (tokens, pages)
                 continue
             whole = len(tokens) // self.page_size
-            self.cache.insert(tokens[: whole * self.page_size], pages[:whole])
+            self.cache.insert(tokens[: whole * self.page_size], pages[:whole], salt)
             if whole < len(pages):
                 self.adopted[rid] = (tokens, pages[whole:])
 
@@ -233,7 +233,7 @@ class Scheduler:
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Admit only what can prefill its whole known sequence from free or evictable pages."""
         if self.cache is not None and request.params.prompt_logprobs is None:  # those need every prompt position's logits
-            pages, node = self.cache.match(request.tokens[:-1])  # the last token must be computed
+            pages, node = self.cache.match(request.tokens[:-1], request.params.cache_salt)  # the last token must be computed
             self.cache.lock(node)
             request.prefix, request.pages, request.shared_pages = node, list(pages), len(pages)
             request.computed = len(pages) * self.page_size
@@ -362,7 +362,7 @@ class Scheduler:
         self._release_slot(request)
         if self.cache is not None:
             whole = request.confirmed // self.page_size  # not what steps in flight will write: the engine may die first
-            self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole])
+            self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole], request.params.cache_salt)
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest
             if request.pin:
                 self._pin(request.prompt_ids)
