@@ -7,7 +7,8 @@ each scenario beside a well-behaved client whose every request is timed:
 - greedy: `{"prompt": ["a"] * 20, "n": 64}`, then eight requests of 4 x 64 completions from one
   address (as many as it is let in run), and 20 other clients (other addresses) meanwhile.
 
-It reports the well-behaved client's worst latency and failures, the api workers' most open file
+The server runs on all cores but the last, the clients on the last, as attackers elsewhere would not
+share the server's cores. It reports the well-behaved client's worst latency and failures, the api workers' most open file
 descriptors and their memory growth, how long the server took to close a socket that never
 finished its headers, and the statuses each client got. The last line printed is one JSON object.
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import os
 import socket
 import sys
 import tempfile
@@ -231,14 +233,24 @@ async def _greedy(server: Server, http: aiohttp.ClientSession) -> dict:
     return {"whole_request": whole, "greedy_statuses": greedy_statuses, "others": served, "others_s": round(others_s, 2)}
 
 
+def _split_cores() -> tuple[set[int], set[int]]:
+    """The server's cores and the clients': attackers on the internet do not run on the server's cores,
+    and a CPU engine's threads stall at every barrier for a core that another process holds."""
+    cores = sorted(os.sched_getaffinity(0))
+    return (set(cores[:-1]), {cores[-1]}) if len(cores) > 1 else (set(cores), set(cores))
+
+
 async def _run(args: argparse.Namespace) -> dict:
     log = Path(tempfile.mkdtemp(prefix="ringllm-hardened-")) / "serve.log"
+    server_cores, client_cores = _split_cores()
+    os.sched_setaffinity(0, server_cores)  # the server inherits them
     server = Server(args.model, free_port(), log, ["--api-workers", str(API_WORKERS)])
+    os.sched_setaffinity(0, client_cores)  # and this process, the attackers it starts with it, the rest
     try:
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
             await wait_healthy(http, 300, server.proc)
             workers = Workers(server)
-            record = {"config": await server_config(http)}
+            record = {"config": await server_config(http), "cores": {"server": sorted(server_cores), "clients": sorted(client_cores)}}
             if "slowloris" in args.scenarios:
                 record["slowloris"] = await _slowloris(server, http, workers)
             if "slow_readers" in args.scenarios:
