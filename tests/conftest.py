@@ -171,6 +171,16 @@ def start_supervisor(server: str, tmp_path: Path, monkeypatch) -> Iterator[Calla
             print(running.log.read_text())
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test` runs a worker a core), each worker and the servers it starts keep to
+    their own share of the cores: a CPU engine sizes its threads to its cores, and two engines whose
+    threads share cores stall at every barrier for each other."""
+    worker, count = os.environ.get("PYTEST_XDIST_WORKER"), int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    cores = sorted(os.sched_getaffinity(0))
+    if worker is not None and len(cores) >= count:
+        os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """After the whole suite: none of its ringllm segments in /dev/shm and no child process may remain."""
     leftovers = sorted(_our_segments())
