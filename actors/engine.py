@@ -14,6 +14,12 @@ A step's duration (ringllm:step_duration_seconds) runs from when the device coul
 launch, or the end of the step before it, whichever is later) to when its results are read. At
 debug level each step is also logged with its size and how long its launch held the host.
 
+A request held to a grammar waits out of the batch while the grammar compiles: the scheduler sends every
+rank a COMPILE frame for it, each rank compiles on a thread of its own (runtime.structured.masks), and rank 0
+answers once the grammar is ready, or once its compile has run past --grammar-compile-timeout (the request is
+then refused). Only rank 0's answer admits the request, so every rank sees the same requests in each step; a
+rank whose own compile trails waits for it when the slot opens.
+
 On CPU, where launch runs the whole step and holds the loop, the engine beats between two layers (a
 long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
 there: nobody waits for its tokens, and the replay's first step should not wait for it.
@@ -40,7 +46,7 @@ import structlog
 import torch
 
 from actors.base import Actor
-from actors.frames import Adopt, Ping, Step, StepResults, decode
+from actors.frames import Adopt, Compile, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
 from actors.pipeline import pool_outlives_engine, scheduler_names
@@ -53,6 +59,7 @@ from runtime.step import HeldKV
 from transport.segment import Segment
 
 log = structlog.get_logger()
+COMPILE_LOOK_S = 0.02  # how often an idle engine looks whether a grammar a request waits for is ready
 
 
 class InFlight(NamedTuple):
@@ -118,9 +125,13 @@ class EngineActor(Actor):
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
         assert self.engine.config.steps_in_flight is not None  # EngineConfig fills in the device's default
+        grammars = self.engine.grammars
         while True:
             await self.yield_if_due()
-            got = self.poll_frame() if self.in_flight else await self.next_frame()
+            for rid, error in grammars.take_prepared():  # every rank compiles; rank 0 tells the scheduler
+                if self.rank == 0:
+                    await self.send(self.scheduler, Compile(error=error), rid)
+            got = self.poll_frame() if self.in_flight else await self.next_frame(COMPILE_LOOK_S if grammars.waiting else None)
             if got is not None:
                 payload = decode(got[1])
                 if isinstance(payload, Ping):  # only rank 0 is pinged
@@ -129,6 +140,12 @@ class EngineActor(Actor):
                 if isinstance(payload, Adopt):
                     if self.rank == 0:
                         await self.send(self.scheduler, Adopt(self.held))
+                    continue
+                if isinstance(payload, Compile):  # a request waits out of the batch until its grammar is compiled
+                    if payload.guide is None:  # it was aborted meanwhile
+                        grammars.forget(got[1].rid)
+                    else:
+                        grammars.prepare(got[1].rid, payload.guide)
                     continue
                 assert isinstance(payload, Step)
                 plan = payload.plan
@@ -158,6 +175,8 @@ class EngineActor(Actor):
                 )
                 if len(self.in_flight) < self.engine.config.steps_in_flight and not self.in_flight[0].pending.ready():
                     continue  # room for one more while the device works; on CPU, launch has done the work
+            elif not self.in_flight:
+                continue  # the wait for a frame ran out: a grammar may be ready
             elif not self.in_flight[0].pending.ready():
                 await asyncio.sleep(0)  # the device is busy and no plan is waiting: look again
                 continue

@@ -284,6 +284,23 @@ class Adopt(Payload):
 
 
 @dataclass(frozen=True)
+class Compile(Payload):
+    """The scheduler asks its engines to compile a waiting request's grammar (`guide` set, the frame's rid the
+    request's), or withdraws the question (`guide` None: the request was aborted); rank 0 answers once it is
+    compiled (`guide` and `error` None), or with why it is not (`error`: the request is refused with it). The
+    request joins the batch only then (runtime.structured.masks)."""
+
+    KIND = Kind.COMPILE
+    guide: tuple[str, str] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_wire(cls, meta: dict, arrays: list) -> Compile:
+        guide = meta["guide"]  # a list on the wire
+        return cls(None if guide is None else (guide[0], guide[1]), meta["error"])
+
+
+@dataclass(frozen=True)
 class Abort(Payload):
     """Drop a request: its client left, or a stop string ended it in the detokenizer."""
 
@@ -307,7 +324,7 @@ class FlushCache(Payload):
 
 
 PAYLOADS: dict[int, type[Payload]] = {
-    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache, Adopt)
+    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache, Adopt, Compile)
 }
 
 

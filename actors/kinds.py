@@ -15,6 +15,7 @@ class Kind(IntEnum):
     PING = 9  # api worker → tokenizer → scheduler → engine → scheduler → detokenizer → api worker
     FLUSH_CACHE = 10  # api worker → tokenizer → scheduler (evicts the prefix cache) → detokenizer → api worker
     ADOPT = 11  # scheduler → engine at an epoch's start, and back: the KV the engine kept of the epoch before
+    COMPILE = 12  # scheduler → engine: compile a waiting request's grammar; engine → scheduler: compiled, or why not
 
 
 def worker_of(rid: int) -> int:

@@ -4,6 +4,11 @@ It plans ahead of the results, EngineConfig.steps_in_flight steps (the engine fe
 last sampled token), then turns each step's results into one TOKENS frame for the detokenizer. It logs each
 request's queued, scheduled, prefill_done and finished events, keeps the batch's metrics, and
 every ServeConfig.stats_interval logs one stats line (at debug level while idle).
+
+A request held to a grammar stays in the queue, passed by the others (Request.compiling), until its engines
+have compiled the grammar (frames.Compile): a compile never holds a step. One that takes longer than
+--grammar-compile-timeout refuses the request with a 400. A new engine over the kept KV pool is asked again
+for the compiles its predecessor had not answered.
 """
 
 from __future__ import annotations
@@ -18,7 +23,22 @@ import numpy as np
 import structlog
 
 from actors.base import Actor
-from actors.frames import Abort, Adopt, Announce, Detok, FlushCache, Ping, Refusal, Step, StepResults, TokenItem, Tokenized, Tokens, decode
+from actors.frames import (
+    Abort,
+    Adopt,
+    Announce,
+    Compile,
+    Detok,
+    FlushCache,
+    Ping,
+    Refusal,
+    Step,
+    StepResults,
+    TokenItem,
+    Tokenized,
+    Tokens,
+    decode,
+)
 from actors.gauges import EngineGauge, SchedulerGauge
 from actors.kinds import counter_of, first_counter, worker_of
 from actors.pipeline import api_worker_names, engine_names, pool_outlives_engine
@@ -154,6 +174,7 @@ class SchedulerActor(Actor):
         self._detokenizer_restarts, self._resync = self._restarts(self._detokenizer_slot), False
         self._engine_restarts, self._engine_lost = self._restarts(self._engine_slot), False
         self.in_flight: deque[int] = deque()
+        self.compiling: dict[int, Request] = {}  # waiting requests whose grammar the engines compile (Request.compiling)
         # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)
         self.adopting = self._ask_adoption = True
         self._publish_gauges()  # a new epoch starts empty
@@ -227,6 +248,8 @@ class SchedulerActor(Actor):
         log.info("engine_resync", running=len(self.core.running), lost_steps=list(self.in_flight))
         self.in_flight.clear()
         self.core.reopen()
+        for rid, request in self.compiling.items():  # the dead engine's compiles died with it
+            await self._ask_compile(rid, request)
         self._ask_adoption = self.adopting  # the dead engine may have taken the question with it
 
     async def _handle(self, peer: str, frame: Frame) -> None:
@@ -257,6 +280,10 @@ class SchedulerActor(Actor):
                 self.announce[rid] = req.generated
                 self.detoks[rid] = req.detok
                 self.timelines[rid] = Timeline(req.trace, time.monotonic())
+                if request.params.guide is not None:  # it waits out of the batch until its engines have compiled the grammar
+                    request.compiling = True
+                    self.compiling[rid] = request
+                    await self._ask_compile(rid, request)
                 log.info(
                     "queued",
                     rid=req.trace,
@@ -271,13 +298,35 @@ class SchedulerActor(Actor):
                 pages = self.core.unpin_prefixes() if unpin else self.core.flush_cache()
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
+            case Compile(error=error):
+                await self._compiled(rid, error)
             case Abort():
+                if self.compiling.pop(rid, None) is not None:  # its grammar need not be compiled any more
+                    await self.send_all(self.engines, Compile(), rid)
                 if (request := self.core.abort(rid)) is not None:
                     await self._emit([request])
                 else:  # not here (yet): a copy resubmitted later is not run
                     self._ended(rid, None)
             case Refusal() as refusal:
                 await self._refuse(rid, refusal)
+
+    async def _ask_compile(self, rid: int, request: Request) -> None:
+        await self.send_all(self.engines, Compile(request.params.guide), rid)  # every tensor-parallel rank compiles it
+
+    async def _compiled(self, rid: int, error: str | None) -> None:
+        """The engine's answer for a request waiting for its grammar: it may be admitted now, or is refused."""
+        if (request := self.compiling.pop(rid, None)) is None:  # aborted meanwhile, or answered already
+            return
+        request.compiling = False
+        if (timeline := self.timelines.get(rid)) is not None:
+            log.info(
+                "grammar_ready" if error is None else "grammar_refused",
+                rid=timeline.trace,
+                wait_s=round(time.monotonic() - timeline.queued, 6),
+            )
+        if error is not None and self.core.abort(rid) is not None:
+            request.error = error
+            await self._emit([request])
 
     def _release_adopted(self, core: Scheduler) -> None:
         """What no replay has claimed ADOPT_GRACE_S after the adoption goes back to the pool (unless a new

@@ -36,7 +36,7 @@ from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow, prompt_ov
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
 from runtime.sampling_params import SamplingParams
-from runtime.structured.grammars import GuideError, build_grammar
+from runtime.structured.grammars import GuideError, build_grammar, lower_priority
 from runtime.text.fast_encode import Encode, encode_with_transformers, fast_encoder
 from runtime.text.prompt_length import encode_unless_longer, max_token_bytes
 from transport.ring import Frame
@@ -79,7 +79,7 @@ class TokenizerActor(Actor):
         self.lane_encode = _encoder(self.lane_tokenizer)
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="long-prompts")
         self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits, encodes or builds its grammar
-        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammars")
+        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammars", initializer=lower_priority)  # beside the engine's steps
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
         self.slot["gauges"][TokenizerGauge.TOKEN_BYTES] = max_token_bytes(self.tokenizer)  # the api workers' length bound

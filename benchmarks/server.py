@@ -50,6 +50,21 @@ async def sse_events(reply: aiohttp.ClientResponse) -> AsyncIterator[dict]:
             yield orjson.loads(line[6:])
 
 
+async def steady_stream(http: aiohttp.ClientSession, index: int, until: float, gaps: list[tuple[float, float]]) -> None:
+    """Streamed completions one after another until `until`: each token's (arrival, gap since the token before
+    it in the same completion)."""
+    while time.monotonic() < until:
+        prompt = f"Count slowly from {index} to a thousand:"
+        body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
+        last = None
+        async with http.post("/v1/completions", json=body) as reply:
+            async for _ in sse_events(reply):
+                now = time.monotonic()
+                if last is not None:
+                    gaps.append((now, now - last))
+                last = now
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -23,25 +23,11 @@ import aiohttp
 import orjson
 
 from benchmarks.chaos import Server
-from benchmarks.server import free_port, sse_events, wait_healthy
+from benchmarks.server import free_port, steady_stream, wait_healthy
 
 SETTLE_S = 12.0  # past start-up and the first spares' set-up (5 s after start-up)
 KILL_AT_S = 5.0  # into the load
 KILL_PAUSE_S = 1.5  # after the kill: the promotion's own pause, not counted as the successor's
-
-
-async def _stream(http: aiohttp.ClientSession, index: int, until: float, gaps: list[tuple[float, float]]) -> None:
-    """Completions one after another until `until`, each token's (arrival, gap since the one before)."""
-    while time.monotonic() < until:
-        prompt = f"Count slowly from {index} to a thousand:"
-        body = {"prompt": prompt, "max_tokens": 200, "temperature": 0, "stream": True, "ignore_eos": True}
-        last = None
-        async with http.post("/v1/completions", json=body) as reply:
-            async for _ in sse_events(reply):
-                now = time.monotonic()
-                if last is not None:
-                    gaps.append((now, now - last))
-                last = now
 
 
 def _ms(seconds: float) -> int:
@@ -57,7 +43,7 @@ async def _run(args: argparse.Namespace) -> dict:
             await wait_healthy(http, 300, server.proc)
             await asyncio.sleep(SETTLE_S)
             until = time.monotonic() + args.seconds
-            load = [asyncio.create_task(_stream(http, i, until, gaps)) for i in range(args.streams)]
+            load = [asyncio.create_task(steady_stream(http, i, until, gaps)) for i in range(args.streams)]
             await asyncio.sleep(KILL_AT_S)
             killed = time.monotonic()
             os.kill(server.actors()["engine"][0], signal.SIGKILL)

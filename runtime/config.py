@@ -247,6 +247,14 @@ class EngineConfig(CliConfig):
             ("--enable-deterministic-inference",),
         ),
     )
+    # a request waits out of the batch while its grammar compiles (runtime.structured.masks)
+    grammar_compile_timeout: float = field(
+        default=10.0,
+        metadata=flag(
+            "seconds an output constraint's grammar may take to compile against the vocabulary; a longer one is a 400 "
+            "(the request waits out of the batch meanwhile)"
+        ),
+    )
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
@@ -277,6 +285,8 @@ class EngineConfig(CliConfig):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ValueError(f"{name} must be at least {least}, not {value}")
+        if not self.grammar_compile_timeout > 0:
+            raise ValueError(f"grammar_compile_timeout must be more than 0 seconds, not {self.grammar_compile_timeout}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], not {self.mem_fraction}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -41,6 +41,7 @@ ENGINE = {
     "custom_all_reduce": True,
     "kv_cache_dtype": "fp8_e4m3",
     "quantization": "fp8",
+    "grammar_compile_timeout": 2.5,
 }
 # deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool
 ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "kv_cache_dtype": "auto", "tensor_parallel_size": 1}

@@ -201,7 +201,7 @@ class Engine:
         self.lengths = np.zeros(slots, dtype=np.int64)  # tokens whose KV is written (or queued to be)
         self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
         self.slots: dict[int, SlotState] = {}
-        self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids)
+        self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_timeout)
         self._unread: deque[PendingStep] = deque()
         # the last launch's host time spent reading earlier draws back and filling grammar masks (steps that need them)
         self.host_waits: dict[str, float] = {}

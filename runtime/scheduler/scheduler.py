@@ -40,6 +40,7 @@ class Request:
     decoding: bool = False  # the engine holds the last token (it sampled it)
     admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
     pin: bool = False  # a prefix warm-up: its prompt's whole pages stay cached until unpin_prefixes
+    compiling: bool = False  # its grammar is compiling (runtime.structured.masks): it is not admitted yet
 
     @property
     def tokens(self) -> list[int]:
@@ -133,12 +134,15 @@ class Scheduler:
                 self._feed(request, count, plan)
                 budget -= count if prefilling else 0
         history = 0
-        while self.waiting and budget > 0 and self._free_slots:
-            request = self.waiting[0]
+        for request in list(self.waiting):
+            if budget <= 0 or not self._free_slots:
+                break
+            if request.compiling:  # it waits for its grammar, and the queue passes it by
+                continue
             history += len(request.tokens)
             if plan.new_slots and history > MAX_PLAN_HISTORY_TOKENS or not self._admit(request, plan):
                 break
-            self.waiting.popleft()
+            self.waiting.remove(request)
             count = min(len(request.tokens) - request.computed, budget)
             self._grow(request, count, plan)
             self._feed(request, count, plan)
