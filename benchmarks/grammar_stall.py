@@ -1,16 +1,17 @@
 """What grammars that are slow to compile cost the streams beside them.
 
-It serves the default model (or --model) on this machine, runs `--streams` plain streaming
-completions back to back (stream i starts i x `--stagger` seconds in, so that their completions do not all end and
-start again in one step), and, `--settle` seconds after the last one started, sends `--grammars` requests, one every
-`--interval` seconds, each held to a different schema of `--depth` nested objects, each with an integer
-property beside the nested one (125 deep, as deep as a request may nest, builds a 1 MB grammar; the nested
-property's name changes each time, so no compile is cached). It reports the
-plain streams' inter-token gaps before the grammars and while they are in play (from the first one sent
-to a second past the last one answered), each stream's longest, and how the grammar requests ended (one
-still unanswered when the load ends is counted so).
-Loopback only, bounded in time (--seconds of load at most). The last line printed is one JSON object;
---out writes it to a file too.
+It serves the default model (or --model) on this machine and runs `--streams` plain streams of
+completions back to back (stream i starts i x `--stagger` s in, so that their completions do not all
+end and start again in one step). `--settle` s after the last one started, it sends `--grammars`
+requests, one every `--interval` s, each held to a schema of its own: `--depth` nested objects, each
+with an integer property beside the nested one (125 deep, as deep as a request may nest, builds a
+1 MB grammar; the nested property's name differs each time, so no compile is cached). It reports the
+plain streams' inter-token gaps before the grammars and while they are in play (from the first one
+sent to a second past the last one answered), each stream's longest, and how the grammar requests
+ended (one still unanswered when the load ends counts as such). With `--grammars 0`, a control: the
+plain streams alone over the rest of the load, where a new completion's prefill step holds the
+others' decodes. Loopback only, bounded in time (`--seconds` of load at most). The last line printed
+is one JSON object; --out writes it to a file too.
 
     python -m benchmarks.grammar_stall [--model PATH] [--streams 16] [--grammars 20] [--out FILE] [-- SERVER FLAGS]
 """
@@ -101,7 +102,8 @@ async def _run(args: argparse.Namespace) -> dict:
             for i in range(args.grammars):
                 guided.append(asyncio.create_task(_guided(http, i, args.depth, answers)))
                 await asyncio.sleep(args.interval)
-            await asyncio.wait(guided, timeout=max(0.0, until - time.monotonic()))
+            if guided:  # none: a control run, whose window is the rest of the load
+                await asyncio.wait(guided, timeout=max(0.0, until - time.monotonic()))
             for task in guided:  # unanswered when the load ends: counted as such
                 task.cancel()
             await asyncio.gather(*guided, return_exceptions=True)
