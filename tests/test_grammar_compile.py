@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import re
 import time
@@ -21,6 +22,8 @@ from benchmarks.server import sse_events
 from runtime.config import EngineConfig, ModelConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.scheduler import Scheduler
+from runtime.structured.builder import Builder
+from runtime.structured.grammars import GuideError, build_grammar
 from runtime.structured.masks import GrammarMasks
 from runtime.structured.vocabulary import tokenizer_info
 from tests.conftest import Server, launch
@@ -55,9 +58,16 @@ def _answers(masks: GrammarMasks, rids: set[int], timeout: float = 60) -> dict[i
     return answers
 
 
-def test_a_compile_past_the_bound_refuses_at_once_and_its_grammar_is_kept(smollm2):
+@pytest.fixture
+def masks(smollm2) -> Iterator[GrammarMasks]:
+    """The engine's grammars, whose compiles may take 0.1 s."""
     cfg = ModelConfig.load(smollm2)
-    masks = GrammarMasks(smollm2, cfg.vocab_size, cfg.eos_token_ids, compile_timeout=0.1)
+    grammar_masks = GrammarMasks(smollm2, cfg.vocab_size, cfg.eos_token_ids, compile_timeout=0.1)
+    yield grammar_masks
+    grammar_masks.stop()
+
+
+def test_a_compile_past_the_bound_refuses_at_once_and_its_grammar_is_kept(masks):
     masks.prepare(1, QUICK)  # loads the compiler, which the bound does not count
     assert _answers(masks, {1}) == {1: None}
     masks.prepare(2, SLOWISH)
@@ -76,16 +86,24 @@ def test_a_compile_past_the_bound_refuses_at_once_and_its_grammar_is_kept(smollm
     assert masks.constrains(np.array([0]))
 
 
-@pytest.mark.slow  # a child process loads the tokenizer
-def test_the_vocabulary_built_in_a_child_is_the_one_built_here_and_is_cached(smollm2, tmp_path, monkeypatch):
+@pytest.mark.slow  # the builder process imports xgrammar and loads the tokenizer
+def test_the_builder_process_builds_what_this_one_does_and_the_vocabulary_is_cached(smollm2, tmp_path, monkeypatch):
     monkeypatch.setenv("RINGLLM_CACHE", str(tmp_path))
     cfg = ModelConfig.load(smollm2)
-    child = tokenizer_info(smollm2, cfg.vocab_size, cfg.eos_token_ids, in_process=False)
-    assert [path.parent.name for path in tmp_path.rglob("*.json")] == ["xgrammar_vocab"]
-    (cached,) = tmp_path.rglob("*.json")
-    cached.unlink()
-    here = tokenizer_info(smollm2, cfg.vocab_size, cfg.eos_token_ids, in_process=True)
-    assert child.serialize_json() == here.serialize_json() == cached.read_text()
+    builder = Builder()
+    try:
+        build = functools.partial(builder.vocabulary, str(smollm2), cfg.vocab_size, list(cfg.eos_token_ids))
+        there = tokenizer_info(smollm2, cfg.vocab_size, cfg.eos_token_ids, build)
+        (cached,) = tmp_path.rglob("*.json")
+        assert cached.parent.name == "xgrammar_vocab"
+        cached.unlink()
+        here = tokenizer_info(smollm2, cfg.vocab_size, cfg.eos_token_ids)
+        assert there.serialize_json() == here.serialize_json() == cached.read_text()
+        assert builder.grammar(*SLOWISH) == build_grammar(*SLOWISH)
+        with pytest.raises(GuideError, match="cannot be used"):
+            builder.grammar("regex", "(")
+    finally:
+        builder.close()
 
 
 @pytest.fixture(scope="module")

@@ -51,6 +51,7 @@ import structlog
 import torch
 
 from runtime.sampling_params import SamplingParams
+from runtime.structured.builder import Builder
 from runtime.structured.grammars import build_grammar, lower_priority
 from runtime.structured.vocabulary import tokenizer_info
 
@@ -113,28 +114,39 @@ class GrammarMasks:
         self._compiling: dict[Guide, _Compile] = {}
         self._waiting: dict[int, Guide] = {}  # request id -> the constraint it waits for out of the batch
         self._worker: _Worker | None = None
+        self._builder = Builder()  # the compile thread's: a process started with the first grammar
 
     def _loaded_compiler(self, beside_steps: bool) -> Any:
-        """xgrammar's compiler for the vocabulary, loaded on first use (runtime.structured.vocabulary: from a cache,
-        or by a child process where it would run `beside_steps`)."""
+        """xgrammar's compiler for the vocabulary, loaded on first use (runtime.structured.vocabulary); where it
+        runs `beside_steps` (on the compile thread), the builder process is started too, and a vocabulary that
+        no cache holds is built there."""
         import xgrammar as xgr
 
         with self._compiler_lock:
             if self._compiler is None:
-                info = tokenizer_info(self.model_dir, self.vocab_size, self.eos_token_ids, in_process=not beside_steps)
+                build = None
+                if beside_steps:
+                    build = functools.partial(self._builder.vocabulary, str(self.model_dir), self.vocab_size, list(self.eos_token_ids))
+                info = tokenizer_info(self.model_dir, self.vocab_size, self.eos_token_ids, build)
                 self._compiler = xgr.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_limit_bytes=CACHE_BYTES)
-            return self._compiler
+        if beside_steps:
+            self._builder.start()
+        return self._compiler
 
     def _compile(self, guide: Guide, job: _Compile | None = None) -> Any:
-        """The guide's grammar compiled against the vocabulary; the tokenizer actor built (and so
-        bounded) the same grammar before the request was scheduled, and both builds are cached. The
-        bound of `job` counts from here, once the compiler has loaded."""
+        """The guide's grammar compiled against the vocabulary. For a `job` (on the compile thread), built by
+        the builder process, and its bound counts from there, once the compiler and the builder are ready;
+        else built here (the tokenizer actor built, and so bounded, the same grammar before the request was
+        scheduled)."""
         import xgrammar as xgr
 
         compiler = self._loaded_compiler(beside_steps=job is not None)
-        if job is not None:
+        if job is None:
+            grammar = build_grammar(*guide)
+        else:
             job.started = time.monotonic()
-        return compiler.compile_grammar(xgr.Grammar.deserialize_json(build_grammar(*guide)))
+            grammar = self._builder.grammar(*guide)
+        return compiler.compile_grammar(xgr.Grammar.deserialize_json(grammar))
 
     def warm_up(self, device: torch.device) -> None:
         """What the first grammar would wait for: the vocabulary's grammar compiler (seconds for a large
@@ -161,6 +173,10 @@ class GrammarMasks:
         self._errors.clear()
         self._waiting.clear()
         self._drop_unwanted()
+
+    def stop(self) -> None:
+        """Ends the builder process (the engine's exit ends it anyway: its stdin closes, and a kill signals it)."""
+        self._builder.close()
 
     @property
     def waiting(self) -> bool:

@@ -1,11 +1,11 @@
 """The model's vocabulary as xgrammar compiles grammars against it (xgrammar.TokenizerInfo), for the engine.
 
-Loading a Hugging Face tokenizer takes about a second, much of it in code that holds the GIL (parsing
-tokenizer.json held it for up to ~0.2 s at a time): done on the compile thread beside the engine's steps,
-it held a step of 16 streams for a second. So the engine reads the vocabulary from a cache file
-(RINGLLM_CACHE/xgrammar_vocab, keyed by the tokenizer's files, the vocabulary size, the stop tokens and
-xgrammar's version: ~40 ms), and where there is none, a child process builds it (a few seconds, once per
-tokenizer and machine) and it is written there. A caller that may hold the GIL (start-up) builds it here.
+Loading a Hugging Face tokenizer takes about a second, much of it holding the GIL (parsing tokenizer.json
+held it for up to ~0.2 s at a time): on the compile thread beside the engine's steps, it held a step of 16
+streams for a second. So the engine reads the vocabulary from a cache file (RINGLLM_CACHE/xgrammar_vocab,
+keyed by the tokenizer's files, the vocabulary size, the stop tokens and xgrammar's version; ~40 ms, without
+the GIL), and where there is none, has it built out of its way (runtime.structured.builder: once per
+tokenizer and machine) and writes it there. Where holding the GIL costs nothing (start-up), it is built here.
 """
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
-import subprocess
-import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,21 +25,10 @@ from transport import env
 log = structlog.get_logger()
 # what a tokenizer may read from its folder: any of them changes the cache's key
 TOKENIZER_FILES = ("tokenizer*", "special_tokens_map.json", "added_tokens.json", "vocab.*", "merges.txt", "*.model")
-CHILD = """
-import sys
-from transformers import AutoTokenizer
-import xgrammar as xgr
-
-model_dir, vocab_size, *stops = sys.argv[1:]
-info = xgr.TokenizerInfo.from_huggingface(
-    AutoTokenizer.from_pretrained(model_dir), vocab_size=int(vocab_size), stop_token_ids=[int(t) for t in stops]
-)
-sys.stdout.write(info.serialize_json())
-"""
 
 
-def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int], in_process: bool) -> Any:
-    """The vocabulary from the cache, else built (in this process where `in_process`, else in a child) and cached."""
+def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int], build: Callable[[], str] | None = None) -> Any:
+    """The vocabulary from the cache, else built (by `build`, else here: `serialized`) and cached."""
     import xgrammar as xgr
 
     path = _cache_path(model_dir, vocab_size, stop_token_ids)
@@ -49,18 +36,17 @@ def tokenizer_info(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[in
         return xgr.TokenizerInfo.deserialize_json(path.read_text())
     except (OSError, RuntimeError, ValueError):  # none yet, or a damaged one: built again
         pass
-    if in_process:
-        tokenizer = load_tokenizer(model_dir, required=True)
-        text = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids)).serialize_json()
-    else:
-        command = [sys.executable, "-c", CHILD, str(model_dir), str(vocab_size), *map(str, stop_token_ids)]
-        built = subprocess.run(command, capture_output=True, text=True)  # the child inherits the calling thread's nice value
-        if built.returncode:
-            why = (built.stderr.strip().splitlines() or [f"exit status {built.returncode}"])[-1]
-            raise RuntimeError(f"the vocabulary could not be read: {why}")
-        text = built.stdout
+    text = build() if build is not None else serialized(str(model_dir), vocab_size, list(stop_token_ids))
     _write(path, text)
     return xgr.TokenizerInfo.deserialize_json(text)
+
+
+def serialized(model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> str:
+    """The vocabulary as xgrammar serializes it, from the folder's tokenizer."""
+    import xgrammar as xgr
+
+    tokenizer = load_tokenizer(model_dir, required=True)
+    return xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids).serialize_json()
 
 
 def _cache_path(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int]) -> Path:
@@ -71,7 +57,7 @@ def _cache_path(model_dir: Path, vocab_size: int, stop_token_ids: Sequence[int])
 
 
 def _write(path: Path, text: str) -> None:
-    """Whole or not at all: a reader never sees half a file, and two writers leave one of theirs."""
+    """Whole or not at all: a reader never sees half a file, and of two writers one's stays."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
