@@ -157,10 +157,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = commands.add_parser(
         "bench",
-        help="benchmarks: offline throughput, or a load test of a running server "
-        "(see `ringllm bench offline --help`, `ringllm bench serve --help`)",
+        help="benchmarks: offline throughput, a load test of a running server, or multi-turn conversations "
+        "(see `ringllm bench offline --help`, `ringllm bench serve --help`, `ringllm bench multiturn --help`)",
     )
-    b.add_argument("workload", choices=["offline", "serve"])
+    b.add_argument("workload", choices=["offline", "serve", "multiturn"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
     return parser
 
