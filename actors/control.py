@@ -29,7 +29,7 @@ SLOT = np.dtype(
         ("heartbeat", "<f8"),
         ("state", "<u4"),
         ("stop", "<u4"),
-        ("gauges", "<f8", (8,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
+        ("gauges", "<f8", (16,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
         ("spare_pid", "<i8"),  # its warm spare: the pid once set up (written by the spare), SPARE_STARTING, or 0
         ("spare_process", "<i8"),  # its warm spare's pid from its start until it dies or is promoted, else 0
     ]

@@ -89,11 +89,13 @@ class EngineActor(Actor):
             torch.set_num_threads(1)
         self.epochs_from_frames = tp.size > 1
         self.kv_segment: Segment | None = None  # on CPU, the kept pool's mapping, held as long as the engine uses it
-        kv_memory = None
+        self.host_segment: Segment | None = None  # the kept host KV tier's mapping, likewise
+        kv_memory = host_memory = None
         if pool_outlives_engine(serve):  # the keeper holds the pool; on CUDA its context is made before this sizes one
             wait_for_keeper(address := keeper_address(self.ctx.server, replica))
             kv_memory = functools.partial(self._kept_kv, address)
-        self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory)
+            host_memory = functools.partial(self._kept_host, address) if config.hierarchical_cache else None
+        self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory, host_memory)
         self.synced = False  # plans before the scheduler's next resync were meant for an engine before this one
         self.held: list[HeldKV] = []  # the pool's KV of the epoch before (Engine.reset), until a scheduler adopts it
         if device.type == "cpu":  # launch runs the whole step: beat through it, and cut it short in a new epoch
@@ -102,10 +104,15 @@ class EngineActor(Actor):
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration.labels(str(replica))
+        self.m_tier_bytes, self.m_tier_load = metrics().tier_bytes, metrics().tier_load.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
 
     def _kept_kv(self, address: str, size: int) -> torch.Tensor:
         self.kv_segment, memory = map_kept_pool(address, size)
+        return memory
+
+    def _kept_host(self, address: str, size: int) -> torch.Tensor:
+        self.host_segment, memory = map_kept_pool(address, size, "host")
         return memory
 
     def _beat_and_check_epoch(self) -> bool:
@@ -123,6 +130,7 @@ class EngineActor(Actor):
         torch.set_num_threads(self.threads)  # a promoted spare's cores
         # only now, not in setup: a warm spare sets up while the engine it may replace still runs on this row
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
+        self.slot["gauges"][EngineGauge.HOST_POOL] = self.engine.tiers.num_pages if self.engine.tiers else 0
         self.slot["gauges"][EngineGauge.POOL] = self.engine.num_pages  # the scheduler sizes its page table from this
         assert self.engine.config.steps_in_flight is not None  # EngineConfig fills in the device's default
         grammars = self.engine.grammars
@@ -139,7 +147,8 @@ class EngineActor(Actor):
                     continue
                 if isinstance(payload, Adopt):
                     if self.rank == 0:
-                        await self.send(self.scheduler, Adopt(self.held))
+                        tiers = self.engine.tiers
+                        await self.send(self.scheduler, Adopt(self.held, str(tiers.disk) if tiers and tiers.disk else None))
                     continue
                 if isinstance(payload, Compile):  # a request waits out of the batch until its grammar is compiled
                     if payload.guide is None:  # it was aborted meanwhile
@@ -196,10 +205,21 @@ class EngineActor(Actor):
             )
             self.last_done = now
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
+            if self.engine.tiers is not None:
+                self._publish_tier_stats()
             if self.rank == 0:
                 await self.send(self.scheduler, StepResults(done.step, results), done.step)
                 if now - self.load_since >= self.stats_interval:
                     self._publish_expert_load(now)
+
+    def _publish_tier_stats(self) -> None:
+        assert self.engine.tiers is not None
+        moved, seconds = self.engine.tiers.take_stats()
+        for direction, count in moved.items():
+            if count:
+                self.m_tier_bytes.labels(str(self.replica), direction).inc(count)
+        for elapsed in seconds:
+            self.m_tier_load.observe(elapsed)
 
     def _publish_expert_load(self, now: float) -> None:
         """The routing counts since the last call, for /server_info and /metrics (MoE models only)."""

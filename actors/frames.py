@@ -264,23 +264,26 @@ class Deltas(Payload):
 class Adopt(Payload):
     """A new epoch's scheduler asks its engine (empty), and rank 0 answers with what its pool holds of the
     requests of the epoch before (runtime.engine.Engine.reset): a request replayed into this epoch takes
-    its KV back instead of recomputing it. Wire: [rid, tokens, pages, salt] an entry; arrays: the tokens, the pages."""
+    its KV back instead of recomputing it. With KV tiers, the answer also names the engine's disk folder, and
+    says that the host tier's index is complete (the scheduler reads it from the keeper's segment). Wire:
+    {"held": [rid, tokens, pages, salt] an entry, "disk"}; arrays: the tokens, the pages."""
 
     KIND = Kind.ADOPT
     held: list[HeldKV] = field(default_factory=list)
+    disk: str | None = None
 
     def to_wire(self) -> Wire:
-        meta = [[rid, len(tokens), len(pages), salt] for rid, tokens, pages, salt in self.held]
+        meta = {"held": [[rid, len(tokens), len(pages), salt] for rid, tokens, pages, salt in self.held], "disk": self.disk}
         return meta, [[t for _, tokens, _, _ in self.held for t in tokens], [p for _, _, pages, _ in self.held for p in pages]]
 
     @classmethod
-    def from_wire(cls, meta: list, arrays: list) -> Adopt:
+    def from_wire(cls, meta: dict, arrays: list) -> Adopt:
         tokens, pages = (a.tolist() for a in arrays)
         held, at, page_at = [], 0, 0
-        for rid, count, page_count, salt in meta:
+        for rid, count, page_count, salt in meta["held"]:
             held.append((rid, tokens[at : at + count], pages[page_at : page_at + page_count], salt))
             at, page_at = at + count, page_at + page_count
-        return cls(held)
+        return cls(held, meta["disk"])
 
 
 @dataclass(frozen=True)

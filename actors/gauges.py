@@ -1,4 +1,4 @@
-"""The gauges' layouts: which of an actor's 8 gauge slots (actors.control.SLOT) holds what, one
+"""The gauges' layouts: which of an actor's 16 gauge slots (actors.control.SLOT) holds what, one
 definition per actor kind. Other processes read them: the supervisor, api workers, the scheduler."""
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ class TokenizerGauge(IntEnum):
 
 class EngineGauge(IntEnum):
     POOL = 0  # the KV pool in pages: the scheduler's page table is sized from it
+    HOST_POOL = 2  # the host KV tier in pages (--enable-hierarchical-cache), sized with the pool
     PROGRESS = PROGRESS_GAUGE
 
 
@@ -34,3 +35,8 @@ class SchedulerGauge(IntEnum):
     TAKEN = 5  # requests taken in since the process started: the router counts those still on their way
     PINNED_PREFIXES = 6  # warmed prefixes held in the prefix cache (POST /warm_prefixes, --warm-prefixes)
     PINNED_PAGES = 7
+    HOST_CACHED_PAGES = 8  # the host KV tier's pages the prefix cache holds (--enable-hierarchical-cache)
+    HOST_TOTAL_PAGES = 9
+    DEVICE_HIT_TOKENS = 10  # prompt tokens admitted requests found in each tier, since the scheduler's start
+    HOST_HIT_TOKENS = 11
+    DISK_HIT_TOKENS = 12

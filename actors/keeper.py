@@ -8,6 +8,10 @@ a replacement engine, or a warm spare, maps the pool the dead engine wrote (ever
 first sizes it from the scheduler's page count, so asks for the same bytes). A keeper's death takes
 the pool with it: the supervisor restarts its engine too (ActorSpec.needs), and the new epoch
 recomputes every request, as if there were no keeper.
+
+Under --enable-hierarchical-cache the keeper holds the host tier too (runtime.engine.kv_tiers), in a shared
+segment on CPU and CUDA alike, asked for and kept as the pool is: an engine's or a scheduler's death keeps
+the tier, a keeper's loses it and nothing else.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
 from actors.base import Actor
-from actors.pipeline import keeper_socket, kv_pool_segment
+from actors.pipeline import keeper_socket, kv_host_segment, kv_pool_segment
 from runtime.distributed import rank_device
 from transport.segment import SHM_DIR, Segment, server_prefix, unlink_segment
 
@@ -39,17 +43,20 @@ def keeper_address(server: str, replica: int) -> str:
 class PoolKeeper:
     """A keeper's pool and its answers, apart from the actor (a test runs one in a process of its own)."""
 
-    def __init__(self, address: str, device: torch.device, segment_name: str | None) -> None:
-        """`segment_name`: where the pool lies on CPU (a dead keeper's is unlinked first); None on CUDA."""
-        self.device, self.segment_name = device, segment_name
+    def __init__(self, address: str, device: torch.device, segment_name: str | None, host_segment_name: str | None = None) -> None:
+        """`segment_name`: where the pool lies on CPU (a dead keeper's is unlinked first); None on CUDA.
+        `host_segment_name`: where the host tier lies (likewise), where there is one."""
+        self.device, self.segment_name, self.host_segment_name = device, segment_name, host_segment_name
+        self.host: Segment | None = None
         if device.type == "cuda":  # the context now: the engine sizes its pool from what is free after it
             torch.cuda.set_device(device)
             torch.cuda.init()
             torch.empty(1, device=device)
         self.pool: torch.Tensor | None = None  # CUDA
         self.segment: Segment | None = None  # CPU
-        if segment_name is not None:
-            unlink_segment(segment_name)  # a dead keeper's pool: its engines died with it
+        for name in (segment_name, host_segment_name):
+            if name is not None:
+                unlink_segment(name)  # a dead keeper's pool and tier: its engines died with it
         if os.path.exists(address):  # a dead keeper's socket
             os.unlink(address)
         umask = os.umask(0o077)  # the socket is this user's, as the segments are
@@ -59,14 +66,14 @@ class PoolKeeper:
             os.umask(umask)
 
     def answer_forever(self) -> None:
-        """One question per connection: a pool size in bytes; the answer says where the pool is."""
+        """One question per connection: ("pool" or "host", size in bytes); the answer says where it is."""
         while True:
             with self.listener.accept() as conn:
                 try:
-                    size = conn.recv()
+                    what, size = conn.recv()
                 except EOFError:  # an engine that only waited for this keeper to listen
                     continue
-                conn.send(self._pool(size))
+                conn.send(self._pool(size) if what == "pool" else self._host(size))
 
     def _pool(self, size: int) -> tuple[Any, ...]:
         """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA, ("error", why) for another size than
@@ -86,15 +93,29 @@ class PoolKeeper:
             log.info("kv_pool_made", bytes=size, device=str(self.device))
         return ("cuda", *reduce_tensor(self.pool))
 
+    def _host(self, size: int) -> tuple[Any, ...]:
+        """("shm", segment name) of the host tier, made by the first question; ("error", why) where there is none."""
+        if self.host_segment_name is None:
+            return ("error", "this keeper holds no host tier")
+        if self.host is None:
+            self.host = Segment.create(self.host_segment_name, size)
+            self.host.owner = False  # the supervisor unlinks it at stop (Topology.kept)
+            log.info("kv_host_tier_made", bytes=size, segment=self.host_segment_name)
+        elif self.host.size != size:
+            return ("error", f"the keeper holds a host tier of {self.host.size} bytes, not the {size} asked for")
+        return ("shm", self.host_segment_name)
+
 
 class KeeperActor(Actor):
     async def setup(self) -> None:
         serve, replica = self.options["serve"], self.options["replica"]
-        segment = kv_pool_segment(serve, replica)
+        segment, host = kv_pool_segment(serve, replica), kv_host_segment(serve, replica)
+        prefix = server_prefix(self.ctx.server)
         self.keeper = PoolKeeper(
             keeper_address(self.ctx.server, replica),
             rank_device(serve.engine.device, replica),
-            None if segment is None else server_prefix(self.ctx.server) + segment,
+            None if segment is None else prefix + segment,
+            None if host is None else prefix + host,
         )
         # the thread answers (and ends with the process); the loop only beats, until a stop
         threading.Thread(target=self.keeper.answer_forever, name="keeper", daemon=True).start()
@@ -116,10 +137,11 @@ def wait_for_keeper(address: str) -> None:
             time.sleep(0.02)
 
 
-def map_kept_pool(address: str, size: int) -> tuple[Segment | None, torch.Tensor]:
-    """The keeper's pool of `size` bytes as a uint8 tensor, and on CPU the segment that must stay mapped under it."""
+def map_kept_pool(address: str, size: int, what: str = "pool") -> tuple[Segment | None, torch.Tensor]:
+    """The keeper's pool (or `what` "host": its host tier) of `size` bytes as a uint8 tensor, and where it is a
+    shared segment, the segment that must stay mapped under it."""
     with Client(address, "AF_UNIX") as conn:
-        conn.send(size)
+        conn.send((what, size))
         where, *answer = conn.recv()
     if where == "error":
         raise ValueError(answer[0])

@@ -254,6 +254,12 @@ def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
     return f"kv{replica}" if pool_outlives_engine(config) and config.engine.device == "cpu" else None
 
 
+def kv_host_segment(config: ServeConfig, replica: int) -> str | None:
+    """The shared-memory segment (after the server's prefix) where a keeper lays a replica's host KV tier; None
+    where there is none, or it is not kept (the engine then holds its own)."""
+    return f"kvhost{replica}" if pool_outlives_engine(config) and config.engine.hierarchical_cache else None
+
+
 def keeper_socket(replica: int) -> str:
     """The Unix socket (after the server's prefix, in SHM_DIR) where a replica's keeper answers its engines."""
     return f"keeper{replica}.sock"
@@ -309,5 +315,10 @@ def pipeline(config: ServeConfig) -> Topology:
             for i, name in enumerate(workers)
         ),
     )
-    kept = tuple(name for r in range(len(keepers)) for name in (kv_pool_segment(config, r), keeper_socket(r)) if name is not None)
+    kept = tuple(
+        name
+        for r in range(len(keepers))
+        for name in (kv_pool_segment(config, r), kv_host_segment(config, r), keeper_socket(r))
+        if name is not None
+    )
     return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept)

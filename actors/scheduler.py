@@ -41,12 +41,14 @@ from actors.frames import (
 )
 from actors.gauges import EngineGauge, SchedulerGauge
 from actors.kinds import counter_of, first_counter, worker_of
-from actors.pipeline import api_worker_names, engine_names, pool_outlives_engine
+from actors.pipeline import api_worker_names, engine_names, kv_host_segment, pool_outlives_engine
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.scheduler.scheduler import Request, Scheduler
-from runtime.step import StepPlan
+from runtime.scheduler.tiers import HostIndex
+from runtime.step import HostEntry, StepPlan
 from transport.ring import Frame
+from transport.segment import Segment, server_prefix
 
 log = structlog.get_logger()
 ENDED_KEPT = 4096  # ended requests remembered, so that a copy resubmitted after a tokenizer restart is not run again
@@ -145,10 +147,14 @@ class SchedulerActor(Actor):
         while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
             await asyncio.sleep(0.05)
         self.num_pages = int(engine["gauges"][EngineGauge.POOL])
+        self.host_pages = int(engine["gauges"][EngineGauge.HOST_POOL])  # set before POOL
+        host_segment = kv_host_segment(serve, self.replica)
+        self.host_segment = None if host_segment is None else server_prefix(self.ctx.server) + host_segment
         m, labels = metrics(), (serve.served_model_name, str(self.replica))
         self.m_queue_time, self.m_batch = m.queue_time.labels(*labels), m.batch_size.labels(labels[1])
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
         self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
+        self.m_tier_hits, self.m_labels = m.tier_hits, labels
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
@@ -162,7 +168,8 @@ class SchedulerActor(Actor):
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
-        self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position)
+        self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position, self.host_pages)
+        self.counted_hits = dict.fromkeys(self.core.tier_hits, 0)  # tier hits counted in /metrics, of this core's
         self.announce: dict[int, list[int]] = {}  # a replay's tokens so far, until the request's first tokens go out
         self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end
         self.detoks: dict[int, Detok] = {}  # the same requests' detokenizer options: with the first tokens, and in a resync
@@ -258,10 +265,13 @@ class SchedulerActor(Actor):
             case StepResults(step=step, results=results):
                 self.in_flight.remove(step)
                 await self._emit(self.core.update(step, results))
-            case Adopt(held=held) if self.adopting:
-                self.core.adopt(held)
+            case Adopt(held=held, disk=disk) if self.adopting:
+                host = self._host_index()
+                if disk is not None and self.core.cache is not None and self.core.cache.tiers is not None:
+                    self.core.cache.tiers.disk = Path(disk)
+                self.core.adopt(held, host)
                 self.adopting = False
-                log.info("adopted", requests=len(held), tokens=sum(len(tokens) for _, tokens, _, _ in held))
+                log.info("adopted", requests=len(held), tokens=sum(len(tokens) for _, tokens, _, _ in held), host_pages=len(host))
                 asyncio.get_running_loop().call_later(ADOPT_GRACE_S, self._release_adopted, self.core)
 
             case Tokenized() as req:
@@ -309,6 +319,19 @@ class SchedulerActor(Actor):
                     self._ended(rid, None)
             case Refusal() as refusal:
                 await self._refuse(rid, refusal)
+
+    def _host_index(self) -> list[HostEntry]:
+        """The kept host tier's index, read from the keeper's segment (its engine has just finished every store)."""
+        if self.host_segment is None or not self.host_pages:
+            return []
+        segment = Segment.attach(self.host_segment)
+        try:
+            memory = np.frombuffer(segment.buf, np.uint8)
+            entries = HostIndex(memory, self.host_pages, self.engine_config.page_size).entries()
+            del memory
+        finally:
+            segment.close()
+        return entries
 
     async def _ask_compile(self, rid: int, request: Request) -> None:
         await self.send_all(self.engines, Compile(request.params.guide), rid)  # every tensor-parallel rank compiles it
@@ -398,6 +421,10 @@ class SchedulerActor(Actor):
 
     def _on_planned(self, plan: StepPlan) -> None:
         self.m_batch.observe(len(plan.chunks) + len(plan.decodes))
+        for tier, tokens in self.core.tier_hits.items():  # what this plan's admissions found in each tier
+            if tokens > self.counted_hits[tier]:
+                self.m_tier_hits.labels(self.m_labels[0], self.m_labels[1], tier).inc(tokens - self.counted_hits[tier])
+                self.counted_hits[tier] = tokens
         now = time.monotonic()
         for request in self.core.admitted:
             if (timeline := self.timelines.get(request.rid)) is None:
@@ -468,6 +495,14 @@ class SchedulerActor(Actor):
         gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
         gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
         gauges[SchedulerGauge.PINNED_PREFIXES], gauges[SchedulerGauge.PINNED_PAGES] = len(core.pins), core.pinned_pages
+        if core.cache is not None and (tiers := core.cache.tiers) is not None:
+            gauges[SchedulerGauge.HOST_CACHED_PAGES], gauges[SchedulerGauge.HOST_TOTAL_PAGES] = (
+                core.cache.host_cached_pages,
+                tiers.host.num_pages,
+            )
+        hits = core.tier_hits
+        gauges[SchedulerGauge.DEVICE_HIT_TOKENS], gauges[SchedulerGauge.HOST_HIT_TOKENS] = hits["device"], hits["host"]
+        gauges[SchedulerGauge.DISK_HIT_TOKENS] = hits["disk"]
         self.m_running.set(len(core.running))
         self.m_waiting.set(len(core.waiting))
         self.m_kv_usage.set(used / core.allocator.num_pages)

@@ -10,6 +10,7 @@ from typing import Any
 import structlog
 
 from runtime.cli_args import CliConfig, flag
+from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
 log = structlog.get_logger()
 
@@ -188,6 +189,31 @@ class EngineConfig(CliConfig):
     enable_prefix_cache: bool = field(
         default=True, metadata=flag("no radix-tree prefix cache: every prompt is prefilled whole", inverse="--disable-prefix-cache")
     )
+    # SGLang's HiCache flags, spelled as SGLang spells them (runtime.scheduler.radix_cache, runtime.engine.kv_tiers)
+    hierarchical_cache: bool = field(
+        default=False,
+        metadata=flag(
+            "KV tiers under the prefix cache: pages evicted from the device pool go to host memory (and with "
+            "--hicache-storage-backend, to disk), and come back when a prompt matches them",
+            ("--enable-hierarchical-cache",),
+        ),
+    )
+    hicache_ratio: float = field(default=2.0, metadata=flag("the host tier's size as a multiple of the device pool's"))
+    hicache_size: float = field(default=0.0, metadata=flag("the host tier's size in GB (0: --hicache-ratio decides)"))
+    hicache_write_policy: str = field(
+        default="write_through",
+        metadata=flag(
+            "write_through: a page is copied to the host tier (and disk) as it enters the prefix cache; "
+            "write_back: as it leaves the device (and to disk as it leaves the host tier)",
+            choices=WRITE_POLICIES,
+        ),
+    )
+    hicache_storage_backend: str | None = field(
+        default=None, metadata=flag("a third tier: file, whole pages in files named by their tokens' hash chain", choices=STORAGE_BACKENDS)
+    )
+    hicache_storage_dir: str | None = field(
+        default=None, metadata=flag("where the file tier keeps its pages (default: RINGLLM_CACHE/hicache)", metavar="DIR")
+    )
     schedule_policy: str = field(
         default="fcfs",
         metadata=flag(
@@ -285,6 +311,18 @@ class EngineConfig(CliConfig):
             value = getattr(self, name)
             if value is not None and value < least:
                 raise ValueError(f"{name} must be at least {least}, not {value}")
+        if self.hierarchical_cache and not self.enable_prefix_cache:
+            raise ValueError("the hierarchical cache tiers the prefix cache: it cannot run with --disable-prefix-cache")
+        if self.hierarchical_cache and self.tensor_parallel_size > 1:
+            raise ValueError("the hierarchical cache runs on one rank (--tp 1)")
+        if self.hicache_storage_backend and not self.hierarchical_cache:
+            raise ValueError("--hicache-storage-backend needs --enable-hierarchical-cache")
+        if not (self.hicache_ratio > 0 and self.hicache_size >= 0):
+            raise ValueError(
+                f"hicache_ratio must be more than 0 and hicache_size at least 0, not {self.hicache_ratio}, {self.hicache_size}"
+            )
+        if self.hicache_write_policy not in WRITE_POLICIES:
+            raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, not {self.hicache_write_policy!r}")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be more than 0 seconds, not {self.grammar_compile_timeout}")
         if not 0 < self.mem_fraction <= 1:
@@ -301,6 +339,12 @@ class EngineConfig(CliConfig):
     @property
     def fp8_kv(self) -> bool:
         return self.kv_cache_dtype != "auto"
+
+    def host_tier_pages(self, device_pages: int, page_bytes: int) -> int:
+        """The host tier's size in pages: --hicache-size GB, else --hicache-ratio times the device pool."""
+        if not self.hierarchical_cache:
+            return 0
+        return int(self.hicache_size * 1e9 // page_bytes) if self.hicache_size else int(self.hicache_ratio * device_pages)
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)

@@ -94,7 +94,9 @@ class LLM:
             self._finalizer = weakref.finalize(self, _Ranks.stop, tp, ranks.procs, ranks.folder)
         self.engine = Engine(self.model_dir, self.config, tp, device)
         cfg = self.engine.model_config
-        self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+        tiers = self.engine.tiers
+        host_pages, disk = (tiers.num_pages, tiers.disk) if tiers else (0, None)
+        self.scheduler = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk)
         self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()
         freeze_startup_heap()

@@ -29,6 +29,26 @@ class Chunk:
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
 
 
+# what a KVMove does: device pages to host (store), host to device (load), host to disk files (save), files to host (read)
+MOVE_KINDS = ("store", "load", "save", "read")
+
+
+@dataclass(frozen=True)
+class KVMove:
+    """A copy of whole KV pages between the tiers (runtime.scheduler.radix_cache), run before the step's forward,
+    in plan order. `keys`: each page's chain key (runtime.scheduler.tiers.chain_keys), the name of its disk file;
+    a store also gives what the host tier's index records of each page: the key before the first page (`parent`),
+    the first page's place in the chain (`position`) and the pages' tokens."""
+
+    kind: str
+    device: list[int] = field(default_factory=list)  # store, load
+    host: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)  # store, save, read
+    parent: bytes = b""  # store
+    position: int = 0  # store
+    tokens: list[int] = field(default_factory=list)  # store
+
+
 @dataclass
 class StepPlan:
     step: int = 0
@@ -39,9 +59,15 @@ class StepPlan:
     decodes: list[int] = field(default_factory=list)  # slots fed their own last sampled token
     # the first plan for an engine: one that starts (or took over a dead one's KV pool) runs plans from here on
     resync: bool = False
+    moves: list[KVMove] = field(default_factory=list)  # run first, after `freed`, `new_slots` and `pages` are applied
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decodes)
+
+
+# what the host tier's index says one host page holds (runtime.engine.kv_tiers): the page, its chain key, the key
+# before it, its place in the chain and its tokens; a new scheduler rebuilds the host tier's tree from these
+HostEntry = tuple[int, bytes, bytes, int, list[int]]
 
 
 # a request's KV that an engine holds across a new epoch: its rid, the tokens whose KV the pool has, their pages,
@@ -70,15 +96,19 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "pages": [[slot, len(pages)] for slot, pages in plan.pages],
         "chunks": [[c.slot, len(c.token_ids), c.sample] for c in plan.chunks],
         "resync": plan.resync,
+        "moves": [
+            [m.kind, len(m.device), len(m.host), [k.hex() for k in m.keys], m.parent.hex(), m.position, len(m.tokens)] for m in plan.moves
+        ],
     }
     history = [t for n in plan.new_slots for t in (*n.prompt_ids, *n.output_ids)]
     pages = [p for _, ps in plan.pages for p in ps]
     tokens = [t for c in plan.chunks for t in c.token_ids]
-    return meta, [history, pages, tokens]
+    moved = [p for m in plan.moves for p in (*m.device, *m.host, *m.tokens)]
+    return meta, [history, pages, tokens, moved]
 
 
 def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
-    history, pages, tokens = (a.tolist() for a in arrays)
+    history, pages, tokens, moved = (a.tolist() for a in arrays)
     plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
     at = 0
     for slot, rid, params, seed, prompt_len, output_len, cached in meta["new"]:
@@ -93,6 +123,12 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
     for slot, count, sample in meta["chunks"]:
         plan.chunks.append(Chunk(slot, tokens[at : at + count], sample))
         at += count
+    at = 0
+    for kind, devices, hosts, keys, parent, position, tokens_moved in meta["moves"]:
+        device, host = moved[at : at + devices], moved[at + devices : at + devices + hosts]
+        moved_tokens = moved[at + devices + hosts : at + devices + hosts + tokens_moved]
+        plan.moves.append(KVMove(kind, device, host, [bytes.fromhex(k) for k in keys], bytes.fromhex(parent), position, moved_tokens))
+        at += devices + hosts + tokens_moved
     return plan
 
 

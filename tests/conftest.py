@@ -338,13 +338,17 @@ class KeptPool:
     default a tensor of this process), and one scheduler: `revive` is a dead engine's replacement over
     the same bytes."""
 
-    def __init__(self, llm: LLM, kv_memory: Callable[[int], torch.Tensor] | None = None) -> None:
+    def __init__(
+        self, llm: LLM, kv_memory: Callable[[int], torch.Tensor] | None = None, host_memory: Callable[[int], torch.Tensor] | None = None
+    ) -> None:
+        """`host_memory`: where the host KV tier lives across engines (--enable-hierarchical-cache)."""
         from runtime.scheduler.scheduler import Scheduler
 
-        self.llm, self.memory, self.kv_memory = llm, None, kv_memory or self._bytes
+        self.llm, self.memory, self.kv_memory, self.host_memory = llm, None, kv_memory or self._bytes, host_memory
         self.engine = self.revive()
-        cfg = self.engine.model_config
-        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+        cfg, tiers = self.engine.model_config, self.engine.tiers
+        host_pages, disk = (tiers.num_pages, tiers.disk) if tiers else (0, None)
+        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk)
 
     def _bytes(self, size: int) -> torch.Tensor:
         import torch
@@ -356,7 +360,7 @@ class KeptPool:
     def revive(self):
         from runtime.engine.engine import Engine
 
-        self.engine = Engine(self.llm.model_dir, self.llm.config, kv_memory=self.kv_memory)
+        self.engine = Engine(self.llm.model_dir, self.llm.config, kv_memory=self.kv_memory, host_memory=self.host_memory)
         return self.engine
 
     def step(self) -> None:

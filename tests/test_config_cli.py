@@ -43,8 +43,11 @@ ENGINE = {
     "quantization": "fp8",
     "grammar_compile_timeout": 2.5,
 }
-# deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool
+# deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool;
+# KV tiers: one rank, over the prefix cache
 ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "kv_cache_dtype": "auto", "tensor_parallel_size": 1}
+ALONE |= {"enable_prefix_cache": True, "hierarchical_cache": True, "hicache_ratio": 3.0, "hicache_size": 4.0}
+ALONE |= {"hicache_write_policy": "write_back", "hicache_storage_backend": "file", "hicache_storage_dir": "/var/kv"}
 SERVE = {
     "served_model_name": "served",
     "host": "0.0.0.0",

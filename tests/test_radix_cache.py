@@ -88,7 +88,7 @@ def test_evict_takes_least_recently_used_unlocked_leaves():
 def test_locked_prefix_survives_eviction_until_unlocked():
     allocator, cache = fresh()
     cached(cache, allocator, [1, 2, 3, 4])
-    _, node = cache.match([1, 2, 3, 4])
+    node = cache.match([1, 2, 3, 4]).node
     cache.lock(node)
     assert cache.evictable_pages() == 0 and cache.evict(10) == 0
     cache.unlock(node)
@@ -99,7 +99,7 @@ def test_locked_prefix_survives_eviction_until_unlocked():
 def test_lock_survives_a_split_below_it():
     allocator, cache = fresh()
     cached(cache, allocator, [1, 2, 3, 4])
-    _, node = cache.match([1, 2, 3, 4])
+    node = cache.match([1, 2, 3, 4]).node
     cache.lock(node)
     cached(cache, allocator, [1, 2, 9, 9])  # splits the locked node after its first page
     cache.flush()

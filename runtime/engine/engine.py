@@ -27,6 +27,7 @@ from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
+from runtime.engine.kv_tiers import HostTier, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
@@ -36,6 +37,7 @@ from runtime.models.loader import build_model
 from runtime.sampling_params import SamplingParams
 from runtime.step import HeldKV, Sampled, StepPlan
 from runtime.structured.masks import GrammarMasks
+from transport import env
 
 log = structlog.get_logger()
 STANDBY_HEADROOM_BYTES = 4 << 30  # a standby engine's CUDA context, graphs, workspaces and activations, past its weights
@@ -134,10 +136,12 @@ class Engine:
         tp: TensorParallel = SINGLE,
         device: torch.device | None = None,
         kv_memory: Callable[[int], torch.Tensor] | None = None,
+        host_memory: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
         when None). Every rank runs every step; each holds its shard of the weights and its heads' KV.
-        `kv_memory`: where the KV pool lives, bytes -> a uint8 tensor (KVPool's `memory`); None: its own."""
+        `kv_memory`: where the KV pool lives, bytes -> a uint8 tensor (KVPool's `memory`); None: its own.
+        `host_memory`: likewise, where the host KV tier lives (--enable-hierarchical-cache)."""
         self.config, self.tp = config, tp
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
@@ -145,7 +149,7 @@ class Engine:
         # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
         phases: dict[str, Callable[[], None]] = {
             "weights": lambda: self._load_weights(model_dir),
-            "pool": lambda: self._make_pool(model_dir, kv_memory),
+            "pool": lambda: self._make_pool(model_dir, kv_memory, host_memory),
             "kernels": self._choose_kernels,
             "graphs": self._capture_graphs,
             "warm_up": self._warm_up,
@@ -172,9 +176,11 @@ class Engine:
         # deterministic inference: projections, then the sampler's row-wise reductions, on blocks of this many rows
         self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
 
-    def _make_pool(self, model_dir: Path, kv_memory: Callable[[int], torch.Tensor] | None) -> None:
-        """The KV pool (in `kv_memory` where given), the attention backend over it, and the per-slot
-        state that indexes it: page table, lengths, last tokens, grammars."""
+    def _make_pool(
+        self, model_dir: Path, kv_memory: Callable[[int], torch.Tensor] | None, host_memory: Callable[[int], torch.Tensor] | None
+    ) -> None:
+        """The KV pool (in `kv_memory` where given) and its host tier (in `host_memory`), the attention backend
+        over the pool, and the per-slot state that indexes it: page table, lengths, last tokens, grammars."""
         cfg, config, tp = self.model_config, self.config, self.tp
         self.kv_heads = tp.split(cfg.num_kv_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
@@ -193,6 +199,15 @@ class Engine:
             scales,
             kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
         )
+        self.tiers: HostTier | None = None
+        if host_pages := config.host_tier_pages(self.num_pages, page_bytes):
+            disk = None
+            if config.hicache_storage_backend:
+                disk = Path(config.hicache_storage_dir or env.cache_root() / "hicache") / namespace(
+                    model_dir, self.pool, config.dummy_weights
+                )
+            memory = host_memory(HostTier.bytes_for(host_pages, page_bytes, config.page_size)) if host_memory else None
+            self.tiers = HostTier(self.pool, host_pages, memory, disk)
         assert config.attention_backend is not None  # EngineConfig fills in the device's default
         self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1], config.deterministic)
         slots = config.max_running_requests
@@ -259,6 +274,9 @@ class Engine:
             device=str(self.device),
             pages=self.num_pages,
             kv_tokens=self.num_pages * config.page_size,
+            host_tier_pages=self.tiers.num_pages if self.tiers else None,
+            disk_tier=str(self.tiers.disk) if self.tiers and self.tiers.disk else None,
+            tier_copies=self.tiers.copies if self.tiers else None,
             kv_cache_dtype=str(self.kv_dtype).removeprefix("torch."),
             cuda_graphs=graphs.sizes if graphs else None,
             **self.chosen_kernels,
@@ -325,6 +343,9 @@ class Engine:
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
         self._apply(plan)
+        if plan.moves:
+            assert self.tiers is not None  # the scheduler moves pages between tiers only where there are some
+            self.tiers.run(plan.moves)
         step = self._host_step(plan)
         try:
             logits, sample_slots_on_device = self._forward(plan, step)
@@ -472,6 +493,8 @@ class Engine:
         of each slot's request (its rid, the tokens whose KV is written, their pages, its salt), for a new
         scheduler to adopt."""
         self._read_all()
+        if self.tiers is not None:  # the host tier's index is complete for the scheduler that adopts it
+            self.tiers.finish_stores(wait=True)
         ps = self.config.page_size
         held = [
             (

@@ -84,6 +84,20 @@ class Metrics:
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", replica)
         self.prefix_queries = Counter("vllm:prefix_cache_queries", "Tokens looked up in the prefix cache.", replica)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Tokens found in the prefix cache.", replica)
+        self.tier_hits = Counter(
+            "ringllm:hicache_hit_tokens", "Prompt tokens found in each KV tier (device, host, disk) at admission.", (*replica, "tier")
+        )
+        self.tier_bytes = Counter(
+            "ringllm:hicache_moved_bytes",
+            "KV bytes moved between tiers (device_to_host, host_to_device, host_to_disk, disk_to_host).",
+            ("replica", "direction"),
+        )
+        self.tier_load = Histogram(
+            "ringllm:hicache_load_seconds",
+            "Time a step's KV moves between tiers took, ahead of its forward.",
+            ("replica",),
+            buckets=STEP_BUCKETS,
+        )
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", replica, multiprocess_mode="mostrecent")
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", replica, multiprocess_mode="mostrecent")
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", replica, multiprocess_mode="mostrecent")

@@ -7,12 +7,14 @@ import random
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
-from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, NewSlot, PromptLogprob, Sampled, StepPlan
+from runtime.scheduler.tiers import Tiers
+from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
 
@@ -48,11 +50,25 @@ class Request:
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, num_pages: int, eos_token_ids: tuple[int, ...], max_position: int) -> None:
+    def __init__(
+        self,
+        config: EngineConfig,
+        num_pages: int,
+        eos_token_ids: tuple[int, ...],
+        max_position: int,
+        host_pages: int = 0,
+        disk: Path | None = None,
+    ) -> None:
+        """`host_pages`: the host tier's size in pages, under --enable-hierarchical-cache, and `disk` the folder of
+        its page files (both as the engine has them: runtime.engine.kv_tiers)."""
         self.config = config
         self.page_size = config.page_size
         self.allocator = PageAllocator(num_pages)
-        self.cache = RadixCache(self.allocator, config.page_size) if config.enable_prefix_cache else None
+        tiers = None
+        if config.hierarchical_cache:
+            tiers = Tiers(PageAllocator(host_pages), config.hicache_write_policy == "write_through", disk)
+        self.cache = RadixCache(self.allocator, config.page_size, tiers) if config.enable_prefix_cache else None
+        self.tier_hits = {"device": 0, "host": 0, "disk": 0}  # prompt tokens found in each tier at admission
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_position = max_position
         self.waiting: deque[Request] = deque()
@@ -152,18 +168,22 @@ class Scheduler:
                 if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
                     self._feed(request, 1, plan)
         if not plan:
-            self._freed = plan.freed  # sent with the next real step
+            self._freed = plan.freed  # sent with the next real step (so are the KV moves queued meanwhile)
             if self.adopted and not self._resync and not self.has_work():  # the replays have come and gone
                 self.release_adopted()
         else:
             self._resync = False  # a plan goes out
+            if self.cache is not None:
+                plan.moves = self.cache.take_moves(plan.step)
         return plan
 
-    def adopt(self, held: list[HeldKV]) -> None:
+    def adopt(self, held: list[HeldKV], host: list[HostEntry] | None = None) -> None:
         """The KV an engine kept across the new epoch that made this scheduler (a scheduler's death): each
         request, replayed with the same rid, takes its pages back instead of recomputing them. With a prefix
         cache, every whole page goes into the tree (two requests may share them), and only a partial last
-        page waits for its request."""
+        page waits for its request. `host`: the host tier's index, whose chains go into the tree first."""
+        if host and self.cache is not None and self.cache.tiers is not None:
+            self.cache.restore(host)
         taken: set[int] = set()
         for rid, tokens, pages, salt in held:
             self.allocator.take(page for page in pages if page not in taken)
@@ -202,6 +222,8 @@ class Scheduler:
         decoding decodes on (the engine takes its last token from the reopened slot), so that its redone
         steps run the kernels, and round as, its lost ones did."""
         self._chunk_ends.clear()
+        if self.cache is not None:
+            self.cache.reopen()
         for request in self.running:
             if request.params.prompt_logprobs is not None and not request.output_ids:
                 request.confirmed = 0  # the prompt's log-probabilities so far died with the engine: its prompt runs again
@@ -236,11 +258,12 @@ class Scheduler:
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
         """Admit only what can prefill its whole known sequence from free or evictable pages."""
+        found = None
         if self.cache is not None and request.params.prompt_logprobs is None:  # those need every prompt position's logits
-            pages, node = self.cache.match(request.tokens[:-1], request.params.cache_salt)  # the last token must be computed
-            self.cache.lock(node)
-            request.prefix, request.pages, request.shared_pages = node, list(pages), len(pages)
-            request.computed = len(pages) * self.page_size
+            found = self.cache.match(request.tokens[:-1], request.params.cache_salt)  # the last token must be computed
+            self.cache.lock(found.node)
+            request.prefix, request.pages, request.shared_pages = found.node, list(found.pages), len(found.pages)
+            request.computed = len(found.pages) * self.page_size
         if request.rid in self.adopted:
             self._claim(request)
         needed = self.config.pages_for(len(request.tokens)) - len(request.pages)
@@ -251,6 +274,10 @@ class Scheduler:
         if request.computed and not request.output_ids:
             request.cached_tokens = request.computed
         self.reused_prefix_tokens += request.computed
+        if found is not None:
+            self.tier_hits["host"] += found.host_tokens
+            self.tier_hits["disk"] += found.disk_tokens
+            self.tier_hits["device"] += len(found.pages) * self.page_size - found.host_tokens - found.disk_tokens
         request.slot = self._free_slots.pop()
         request.admitted_step = self._step
         self.admitted.append(request)
@@ -324,6 +351,8 @@ class Scheduler:
 
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
         """Record `step`'s tokens; returns the requests that got one."""
+        if self.cache is not None:
+            self.cache.answered(step)
         for request, end in self._chunk_ends.pop(step, ()):
             if request.slot is not None and request.admitted_step <= step:
                 request.confirmed = max(request.confirmed, end)
@@ -400,7 +429,7 @@ class Scheduler:
         """Lock a warmed prompt's whole pages as a running request's prefix is locked, so that no
         eviction or flush takes them; once per prefix, and at most half the pool in all."""
         assert self.cache is not None  # warm-ups are pinned only in a prefix cache
-        pages, node = self.cache.match(prompt_ids)
+        pages, node, *_ = self.cache.match(prompt_ids)
         key = tuple(prompt_ids[: len(pages) * self.page_size])
         if pages and key not in self.pins and self.pinned_pages + len(pages) <= self.allocator.num_pages // 2:
             self.cache.lock(node)

@@ -1,0 +1,230 @@
+"""The KV tiers under the device pool, as the engine runs them: the host tier's pages and their index, and
+the moves a plan carries between the device, the host tier and disk (runtime.step.KVMove).
+
+The host tier is the device pool's layout (runtime.attention.pool.KVPool) in host memory: a segment the
+keeper holds (actors.keeper), so that it outlives the engine, or the engine's own. On CUDA it is pinned,
+and the copies run on the device's stream with sgl-kernel's page-transfer kernels where they are
+installed (one gather or scatter a layer, reading or writing host memory directly), else with torch's
+indexing; on CPU they are torch's indexing.
+
+Ahead of the pages lies the index: what each host page holds (its chain key, the key before it, its place in
+the chain and its tokens), set as a store is queued and marked valid once it has run. A new scheduler
+rebuilds the host tier's tree from the valid entries (frames.Adopt), so a scheduler's crash keeps the tier.
+
+Disk holds whole pages in files named by their chain key (runtime.scheduler.tiers.page_file), in a folder per
+model, weights and KV layout (namespace): a file is written whole under another name and renamed, so a
+reader never sees half of one."""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+import json
+import os
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from runtime.attention.pool import KVPool
+from runtime.scheduler.tiers import KEY_BYTES, HostIndex, page_file
+from runtime.step import KVMove
+
+
+def namespace(model_dir: Path, pool: KVPool, dummy_weights: bool) -> str:
+    """The folder name for one model's page files: its config, its weight files (names, sizes, times) or its
+    random weights, and the KV layout (dtype, page size, heads, head size, layers)."""
+    digest = hashlib.blake2b(digest_size=12)
+    digest.update((model_dir / "config.json").read_bytes())
+    weights = [] if dummy_weights else sorted(model_dir.glob("*.safetensors")) + sorted(model_dir.glob("*.gguf"))
+    stat = [(path.name, path.stat().st_size, path.stat().st_mtime_ns) for path in weights]
+    layout = [str(pool.dtype), pool.page_size, pool.num_kv_heads, pool.head_dim, len(pool.kv), dummy_weights]
+    digest.update(json.dumps([stat, layout]).encode())
+    return digest.hexdigest()
+
+
+class HostTier:
+    def __init__(self, device_pool: KVPool, num_pages: int, memory: Tensor | None, disk: Path | None) -> None:
+        """`memory`: HostTier.bytes_for(...) bytes to lay the tier in (zero when new, else a tier kept as it was);
+        None: its own. `disk`: the folder of this model's page files, or None."""
+        self.device_pool, self.num_pages, self.disk = device_pool, num_pages, disk
+        pool = device_pool
+        page_bytes = KVPool.bytes_per_page(len(pool.kv), pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        index_bytes = HostIndex.bytes_for(num_pages, pool.page_size)
+        if memory is None:
+            memory = torch.zeros(index_bytes + num_pages * page_bytes, dtype=torch.uint8, pin_memory=pool.device.type == "cuda")
+        elif pool.device.type == "cuda":  # pinned in place: the copies read and write it from the device
+            cudart = torch.cuda.cudart()
+            assert cudart is not None  # CUDA's runtime, on a CUDA device
+            cudart.cudaHostRegister(memory.data_ptr(), memory.numel(), 0)
+        self.memory = memory
+        self.index = HostIndex(memory.numpy(), num_pages, pool.page_size)
+        self.pool = KVPool(
+            len(pool.kv),
+            num_pages,
+            pool.page_size,
+            pool.num_kv_heads,
+            pool.head_dim,
+            pool.dtype,
+            torch.device("cpu"),
+            memory=memory[index_bytes:],
+        )
+        self.page_bytes = page_bytes
+        self._transfer = _sgl_transfer() if pool.device.type == "cuda" else None
+        self.copies = "sgl-kernel" if self._transfer is not None else "torch"  # what moves the pages
+        self._unfinished: deque[tuple[torch.cuda.Event | None, list[int]]] = deque()  # stores queued, by the event after them
+        self.moved_bytes = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
+        self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # CUDA: each run's, until read
+        self._seconds: list[float] = []
+
+    @staticmethod
+    def bytes_for(num_pages: int, page_bytes: int, page_size: int) -> int:
+        return HostIndex.bytes_for(num_pages, page_size) + num_pages * page_bytes
+
+    def run(self, moves: list[KVMove]) -> None:
+        """A plan's moves, in order, queued on the device's stream ahead of its forward (timed: take_stats)."""
+        self.finish_stores(wait=False)
+        if self.device_pool.device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            self._move(moves)
+            end.record()
+            self._timings.append((start, end))
+        else:
+            started = time.perf_counter()
+            self._move(moves)
+            self._seconds.append(time.perf_counter() - started)
+
+    def take_stats(self) -> tuple[dict[str, int], list[float]]:
+        """Bytes moved in each direction, and the seconds each finished run took, since the last call."""
+        while self._timings and self._timings[0][1].query():
+            start, end = self._timings.popleft()
+            self._seconds.append(start.elapsed_time(end) / 1e3)
+        moved, self.moved_bytes = self.moved_bytes, dict.fromkeys(self.moved_bytes, 0)
+        seconds, self._seconds = self._seconds, []
+        return moved, seconds
+
+    def _move(self, moves: list[KVMove]) -> None:
+        for move in moves:
+            if move.kind == "store":
+                self._index_pages(move)
+                self._copy(self.device_pool, move.device, self.pool, move.host, to_host=True)
+                self._mark_stored(move.host)
+                self.moved_bytes["device_to_host"] += len(move.host) * self.page_bytes
+            elif move.kind == "load":
+                self._copy(self.pool, move.host, self.device_pool, move.device, to_host=False)
+                self.moved_bytes["host_to_device"] += len(move.host) * self.page_bytes
+            elif move.kind == "save":
+                self.finish_stores(wait=True)  # the pages' bytes must have landed
+                self._save(move.host, move.keys)
+            else:
+                self.index.valid[move.host] = 0  # its entries are for what the pages held before
+                self._read(move.keys, move.host)
+
+    def _index_pages(self, move: KVMove) -> None:
+        ps = self.device_pool.page_size
+        pages = move.host
+        self.index.valid[pages] = 0
+        self.index.keys[pages] = np.frombuffer(b"".join(move.keys), np.uint8).reshape(-1, KEY_BYTES)
+        self.index.parents[pages] = np.frombuffer(b"".join([move.parent, *move.keys[:-1]]), np.uint8).reshape(-1, KEY_BYTES)
+        self.index.positions[pages] = np.arange(move.position, move.position + len(pages))
+        self.index.tokens[pages] = np.asarray(move.tokens, np.int32).reshape(-1, ps)
+
+    def _mark_stored(self, pages: list[int]) -> None:
+        if self.device_pool.device.type != "cuda":
+            self.index.valid[pages] = 1
+            return
+        event = torch.cuda.Event()
+        event.record()
+        self._unfinished.append((event, pages))
+
+    def finish_stores(self, wait: bool) -> None:
+        """Marks valid the index entries of stores that have run (`wait`: waits for every one)."""
+        while self._unfinished:
+            event, pages = self._unfinished[0]
+            if event is not None and not wait and not event.query():
+                return
+            if event is not None:
+                event.synchronize()
+            self.index.valid[pages] = 1
+            self._unfinished.popleft()
+
+    def _copy(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int], to_host: bool) -> None:
+        device = self.device_pool.device
+        src = torch.tensor(from_pages, dtype=torch.int64)
+        dst = torch.tensor(to_pages, dtype=torch.int64)
+        if self._transfer is not None:
+            self._transfer(source, src.to(device), target, dst.to(device))
+            return
+        if to_host:
+            src = src.to(device)
+        else:
+            dst = dst.to(device)
+        for layer in range(len(source.kv)):  # as bytes: float8 has no indexing kernels on every device
+            pages = source.kv[layer].view(torch.uint8).index_select(0, src)
+            target.kv[layer].view(torch.uint8).index_copy_(0, dst, pages.to(target.kv[layer].device, non_blocking=not to_host))
+
+    def _page_bytes(self, page: int) -> list[np.ndarray]:
+        return [layer[page].view(torch.uint8).numpy().reshape(-1) for layer in self.pool.kv]
+
+    def _save(self, pages: list[int], keys: list[bytes]) -> None:
+        assert self.disk is not None
+        self.disk.mkdir(parents=True, exist_ok=True)
+        for page, key in zip(pages, keys):
+            path = page_file(self.disk, key)
+            if path.exists():
+                continue
+            partial = path.with_name(f"{path.name}.{os.getpid()}.partial")
+            with open(partial, "wb") as out:
+                for part in self._page_bytes(page):
+                    out.write(part.data)
+            os.replace(partial, path)
+            self.moved_bytes["host_to_disk"] += self.page_bytes
+
+    def _read(self, keys: list[bytes], pages: list[int]) -> None:
+        assert self.disk is not None
+        for page, key in zip(pages, keys):
+            with open(page_file(self.disk, key), "rb") as source:
+                for part in self._page_bytes(page):
+                    source.readinto(part.data)
+            self.moved_bytes["disk_to_host"] += self.page_bytes
+
+
+def _sgl_transfer() -> Callable[[KVPool, Tensor, KVPool, Tensor], None] | None:
+    """sgl-kernel's per-layer page transfer between a device pool and pinned host memory, where it is installed
+    with the signature this was written for and copies a page there and back intact; else None (torch's
+    indexing moves the pages)."""
+    try:
+        from sgl_kernel.kvcacheio import transfer_kv_per_layer
+    except ImportError:
+        return None
+    expected = ["src_k", "dst_k", "src_v", "dst_v", "src_indices", "dst_indices", "item_size"]
+    if list(inspect.signature(transfer_kv_per_layer).parameters)[:7] != expected:
+        return None
+
+    def transfer(source: KVPool, src_pages: Tensor, target: KVPool, dst_pages: Tensor) -> None:
+        ps = source.page_size
+        # each page's K rows start at page·2·ps and its V rows ps after: one row index a token, K and V views ps apart
+        offsets = torch.arange(ps, device=src_pages.device)
+        src_rows = (src_pages[:, None] * 2 * ps + offsets).reshape(-1)
+        dst_rows = (dst_pages[:, None] * 2 * ps + offsets).reshape(-1)
+        row_bytes = source.num_kv_heads * source.head_dim * source.dtype.itemsize
+        for layer in range(len(source.kv)):
+            src, dst = source.rows(layer).view(torch.uint8), target.rows(layer).view(torch.uint8)
+            transfer_kv_per_layer(src, dst, src[ps:], dst[ps:], src_rows, dst_rows, row_bytes)
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    pages = torch.tensor([1], device=device)
+    on_device = KVPool(1, 2, 4, 2, 64, torch.bfloat16, device)
+    pinned = torch.zeros(KVPool.bytes_per_page(1, 4, 2, 64, torch.bfloat16) * 2, dtype=torch.uint8).pin_memory()
+    on_host = KVPool(1, 2, 4, 2, 64, torch.bfloat16, torch.device("cpu"), memory=pinned)
+    on_device.kv[0].normal_()
+    transfer(on_device, pages, on_host, pages)
+    back = KVPool(1, 2, 4, 2, 64, torch.bfloat16, device)
+    transfer(on_host, pages, back, pages)
+    torch.cuda.synchronize(device)
+    return transfer if torch.equal(back.kv[0][1], on_device.kv[0][1]) and torch.equal(on_host.kv[0][1], on_device.kv[0][1].cpu()) else None
