@@ -145,20 +145,32 @@ async def drive(server: subprocess.Popen, launched: float, port: int, args: argp
         await ask(http, list(range(*USER_IDS))[:64], args.answer_tokens, warm)
         if not warm.ok:
             raise RuntimeError(f"the warm-up request failed: {warm.error}")
-        async with http.post("/flush_cache", json={}) as reply:
-            reply.raise_for_status()
-        turns: list[Turn] = []
-        started = time.perf_counter()
-        tasks = [asyncio.create_task(converse(http, client, users[client], args, turns)) for client in range(args.clients)]
-        done, pending = await asyncio.wait(tasks, timeout=args.time_limit)
-        wall_s = time.perf_counter() - started
-        for task in pending:  # a round still in flight counts as unfinished
-            task.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for task in done:
-            task.result()  # a bug in the client, not a failed round: raised
+        fits = None
+        if args.fits_clients:  # the small load first, on its own conversations
+            small = [user_turns(args.seed + 1, client, args.fits_rounds, args.user_tokens) for client in range(args.fits_clients)]
+            fits = summarize(*await load(http, small, args), args.fits_clients, args.fits_rounds)
+        turns, wall_s = await load(http, users, args)
         kv_tokens = (await server_info(http))["kv_tokens"]  # reported once the engines run
-    return {"startup_s": round(startup_s, 1), **summarize(turns, wall_s, args), "kv_pool_tokens": kv_tokens, "config": config}
+    figures = {"startup_s": round(startup_s, 1), **summarize(turns, wall_s, args.clients, args.rounds), "kv_pool_tokens": kv_tokens}
+    return figures | ({"fits": fits} if fits is not None else {}) | {"config": config}
+
+
+async def load(http: aiohttp.ClientSession, users: list[list[list[int]]], args: argparse.Namespace) -> tuple[list[Turn], float]:
+    """The conversations of `users` (a client each) from an emptied prefix cache, for --time-limit s at most: every
+    round's turn, and the load's seconds."""
+    async with http.post("/flush_cache", json={}) as reply:
+        reply.raise_for_status()
+    turns: list[Turn] = []
+    started = time.perf_counter()
+    tasks = [asyncio.create_task(converse(http, client, user, args, turns)) for client, user in enumerate(users)]
+    done, pending = await asyncio.wait(tasks, timeout=args.time_limit)
+    wall_s = time.perf_counter() - started
+    for task in pending:  # a round still in flight counts as unfinished
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for task in done:
+        task.result()  # a bug in the client, not a failed round: raised
+    return turns, wall_s
 
 
 def _ms(values: list[float], q: float | None = None) -> float | None:
@@ -168,17 +180,17 @@ def _ms(values: list[float], q: float | None = None) -> float | None:
     return round(1e3 * float(np.mean(values) if q is None else np.percentile(values, q)), 1)
 
 
-def summarize(turns: list[Turn], wall_s: float, args: argparse.Namespace) -> dict[str, Any]:
+def summarize(turns: list[Turn], wall_s: float, clients: int, rounds: int) -> dict[str, Any]:
     """Latencies over the rounds that completed; throughputs over the whole load, whose tokens are the server's counts."""
     ok = [t for t in turns if t.ok]
     failed = [t for t in turns if t.error]
-    by_round = [[t for t in ok if t.round == number] for number in range(1, args.rounds + 1)]
+    by_round = [[t for t in ok if t.round == number] for number in range(1, rounds + 1)]
     prompt, cached, output = (sum(getattr(t, name) for t in ok) for name in ("prompt_tokens", "cached_tokens", "output_tokens"))
     ttfts = [t.ttft for t in ok]
     return {
         "requests": len(ok),
         "failed": len(failed),
-        "unfinished": args.clients * args.rounds - len(ok) - len(failed),
+        "unfinished": clients * rounds - len(ok) - len(failed),
         "errors": sorted({t.error for t in failed})[:5],
         "ttft_ms": {"mean": _ms(ttfts), "p50": _ms(ttfts, 50), "p90": _ms(ttfts, 90), "p99": _ms(ttfts, 99)},
         "ttft_ms_p50_by_round": [_ms([t.ttft for t in group], 50) for group in by_round],
@@ -231,6 +243,7 @@ def ratios(arms: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
             "ttft_p50_later_rounds": _ratio(arm["ttft_ms_p50_later_rounds"], first["ttft_ms_p50_later_rounds"]),
             "tok_per_s": _ratio(arm["tok_per_s"], first["tok_per_s"]),
         }
+        | ({"fits_tok_per_s": _ratio(arm["fits"]["tok_per_s"], first["fits"]["tok_per_s"])} if "fits" in first else {})
         for arm in arms[1:]
     }
 
@@ -253,8 +266,16 @@ def table(record: dict[str, Any]) -> str:
         ("wall (s)", [a["wall_s"] for a in arms]),
         ("KV pool (tokens)", [a["kv_pool_tokens"] for a in arms]),
         ("start-up (s)", [a["startup_s"] for a in arms]),
-        *((f"{label} vs {arms[0]['name']}", ["-", *(r[key] for r in record["ratios"].values())]) for key, label in _RATIO_ROWS),
     ]
+    ratio_rows = list(_RATIO_ROWS)
+    if "fits" in arms[0]:  # the small load's figures, then its throughput's ratio
+        rows += [
+            ("fits: cache hit rate", [a["fits"]["cache_hit_rate"] for a in arms]),
+            ("fits: TTFT p50 (ms)", [a["fits"]["ttft_ms"]["p50"] for a in arms]),
+            ("fits: throughput in+out (tok/s)", [a["fits"]["tok_per_s"] for a in arms]),
+        ]
+        ratio_rows.append(("fits_tok_per_s", "fits: throughput"))
+    rows += [(f"{label} vs {arms[0]['name']}", ["-", *(r[key] for r in record["ratios"].values())]) for key, label in ratio_rows]
     cells = [["", *(a["name"] for a in arms)], *([label, *("-" if v is None else str(v) for v in values)] for label, values in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     head = (
@@ -301,6 +322,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--think-time", type=float, default=0.0, help="seconds a client waits after an answer before its next round")
     p.add_argument("--stagger", type=float, default=0.25, help="seconds between two clients' first rounds")
     p.add_argument("--seed", type=int, default=0, help="of the user tokens")
+    p.add_argument(
+        "--fits-clients", type=int, default=0, help="first, a load of this many conversations (of --fits-rounds) that the pool holds"
+    )
+    p.add_argument("--fits-rounds", type=int, default=3, help="rounds of each conversation of the --fits-clients load")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds one request may take")
     p.add_argument(
         "--time-limit", type=float, default=1800.0, help="seconds of load an arm at most; rounds not done by then are unfinished"
@@ -339,6 +364,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "stagger_s": args.stagger,
             "seed": args.seed,
             "context_tokens": args.clients * args.rounds * (args.user_tokens + args.answer_tokens),
+            "fits_clients": args.fits_clients,
+            "fits_rounds": args.fits_rounds,
+            "fits_context_tokens": args.fits_clients * args.fits_rounds * (args.user_tokens + args.answer_tokens),
         },
         "arms": arms,
         "ratios": ratios(arms),
