@@ -132,7 +132,7 @@ class RadixCache:
         root = self._root(salt, create=self.tiers is not None and self.tiers.disk is not None)  # disk may hold its pages
         if root is None:  # nothing cached under this salt: the shared root stands in as the node to lock
             return Match(pages, self.root)
-        node, root.last_used, in_host = root, next(_clock), []
+        node, root.last_used, in_host, unconfirmed = root, next(_clock), [], False
         for child, _ in self._walk(tokens, root):
             if child.pages:
                 pages += child.pages
@@ -140,6 +140,7 @@ class RadixCache:
             elif self._unconfirmed.isdisjoint(child.host):  # device residency is closed under prefixes: the rest is host
                 in_host.append(child)
             else:  # its store may yet be lost with the engine: recomputed rather than loaded
+                unconfirmed = True
                 break
         if self.tiers is None:
             return Match(pages, node)
@@ -150,7 +151,7 @@ class RadixCache:
             host_tokens = sum(len(n.tokens) for n in in_host[:loaded])
             if loaded < len(in_host):
                 return Match(pages, in_host[loaded - 1] if loaded else node, host_tokens)
-            from_disk = self._read_from_disk(end, tokens) if self.tiers.disk is not None else None
+            from_disk = self._read_from_disk(end, tokens) if self.tiers.disk is not None and not unconfirmed else None
         finally:
             self.unlock(end)
         if from_disk is None:
