@@ -40,3 +40,4 @@ class SchedulerGauge(IntEnum):
     DEVICE_HIT_TOKENS = 10  # prompt tokens admitted requests found in each tier, since the scheduler's start
     HOST_HIT_TOKENS = 11
     DISK_HIT_TOKENS = 12
+    DISK_PAGES = 13  # page files in the disk tier's folder, counted every --stats-interval

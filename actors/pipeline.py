@@ -100,8 +100,8 @@ class ServeConfig(CliConfig):
     stats_interval: float = field(
         default=10.0,
         metadata=flag(
-            "seconds between each scheduler's stats line and, for a mixture-of-experts model, each engine's expert-load report "
-            "(/server_info, ringllm:moe_expert_load_imbalance)"
+            "seconds between each scheduler's stats line and count of the disk KV tier's pages, and, for a mixture-of-experts "
+            "model, each engine's expert-load report (/server_info, ringllm:moe_expert_load_imbalance)"
         ),
     )
     data_parallel_size: int = field(

@@ -45,7 +45,7 @@ from actors.pipeline import api_worker_names, engine_names, kv_host_segment, poo
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.scheduler.scheduler import Request, Scheduler
-from runtime.scheduler.tiers import HostIndex
+from runtime.scheduler.tiers import HostIndex, count_pages
 from runtime.step import HostEntry, StepPlan
 from transport.ring import Frame
 from transport.segment import Segment, server_prefix
@@ -470,9 +470,12 @@ class SchedulerActor(Actor):
         )
 
     async def _report_stats(self) -> None:
-        """vLLM's periodic line: throughput, batch, KV use and prefix hits since the last one."""
+        """vLLM's periodic line: throughput, batch, KV use and prefix hits since the last one; and the disk tier's
+        pages, counted (its folder may be shared with other servers)."""
         while True:
             await asyncio.sleep(self.stats_interval)
+            if (cache := self.core.cache) is not None and cache.tiers is not None and (folder := cache.tiers.disk) is not None:
+                self.slot["gauges"][SchedulerGauge.DISK_PAGES] = await asyncio.to_thread(count_pages, folder)
             now, w, core = time.monotonic(), self.window, self.core
             self.window = Window(now)
             elapsed = now - w.started

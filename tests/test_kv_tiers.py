@@ -169,7 +169,8 @@ class Conversations:
 
 def hits(server: Server) -> dict[str, int]:
     scheduler = server.get("/server_info")["scheduler"]
-    return {tier: scheduler[f"{tier}_hit_tokens"] for tier in ("device", "host", "disk")} | {"host_pages": scheduler["host_cached_pages"]}
+    hit = {tier: scheduler[f"{tier}_hit_tokens"] for tier in ("device", "host", "disk")}
+    return hit | {"host_pages": scheduler["host_cached_pages"], "disk_pages": scheduler["disk_pages"]}
 
 
 def kill(server: Server, actor: str) -> None:
@@ -184,7 +185,7 @@ def test_a_server_keeps_its_tiers_through_engine_and_scheduler_deaths_and_its_fi
     model = with_tokenizer(tiny_model("llama"), smollm2, tmp_path / "model")
     tiers = ("--enable-hierarchical-cache", "--hicache-ratio", "3", "--hicache-write-policy", "write_back")
     disk = ("--hicache-storage-backend", "file", "--hicache-storage-dir", str(tmp_path / "disk"))
-    args = ("--page-size", "4", "--num-pages", "40", *tiers, *disk)
+    args = ("--page-size", "4", "--num-pages", "40", *tiers, *disk, "--stats-interval", "1")
     talks = Conversations(LLM(model, dtype="float32", page_size=4, enable_prefix_cache=False))
     server = launch(model, tmp_path / "serve.log", *args)
     try:
@@ -209,5 +210,7 @@ def test_a_server_keeps_its_tiers_through_engine_and_scheduler_deaths_and_its_fi
     try:
         assert talks.again(server, 2) > 0  # prompts of 84 tokens, whose first pages disk has
         assert hits(server)["disk"] > 0
+        files = len(list((tmp_path / "disk").rglob("*.kv")))
+        wait_for(lambda: hits(server)["disk_pages"] == files, 10, "the disk tier's pages in /server_info")
     finally:
         server.stop()

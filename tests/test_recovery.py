@@ -190,7 +190,7 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
 
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     server = two_workers
-    bodies = _bodies(32, 200, server.model)
+    bodies = _bodies(32, 400, server.model)  # long enough to be running when the worker dies, however slow its restart
     replays = server.log.read_bytes().count(b'"event":"replaying"')  # the earlier tests' tokenizer restart made one
 
     async def scenario():

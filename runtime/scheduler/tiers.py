@@ -13,6 +13,7 @@ as it stores pages, and read by a new scheduler, which maps the keeper's segment
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +47,15 @@ def chain_keys(parent: bytes, tokens: Sequence[int], page_size: int) -> list[byt
 
 def page_file(folder: Path, key: bytes) -> Path:
     return folder / f"{key.hex()}.kv"
+
+
+def count_pages(folder: Path) -> int:
+    """The page files in a disk tier's folder."""
+    try:
+        with os.scandir(folder) as entries:
+            return sum(entry.name.endswith(".kv") for entry in entries)
+    except FileNotFoundError:  # none written yet
+        return 0
 
 
 @dataclass
