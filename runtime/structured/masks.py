@@ -11,12 +11,13 @@ and asks its engines to compile ahead (`prepare`); the engine compiles on a work
 when the grammar is ready (`take_prepared`), and only then does the request join the batch. A compile
 that runs past --grammar-compile-timeout refuses its request with a 400 instead.
 
-- A thread, not another process: both halves of a compile, xgrammar's build of the grammar from a
-  schema and its compile against the vocabulary, run in C++ that releases the GIL (a thread beside
-  them waited at most ~8 ms for it), and what a compile makes cannot cross a ring cheaply (a 1 MB
-  grammar's compiled form is 127 MB as JSON, and takes longer to read back than to compile).
+- Two halves, two places: xgrammar's build of the grammar from a schema gives the GIL up only every few
+  milliseconds, so it runs in a process of the engine's own (runtime.structured.builder) and comes back
+  as text; its compile against the vocabulary releases the GIL throughout, and what it makes cannot
+  cross a process cheaply (a 1 MB grammar's compiled form is 127 MB as JSON, and takes longer to read
+  back than to compile), so it runs on the thread.
 - The thread runs at a lower priority (runtime.structured.grammars.lower_priority), and the threads
-  a compile starts inherit it: on a CPU engine a step's own threads come first, and a compile takes
+  and the builder process it starts inherit it: on a CPU engine a step's own threads come first, and a compile takes
   what they leave (a step of 16 streams took 1.3x as long beside it, 3-4x beside a compile at the
   same priority; the compile took ~3x as long).
 - One compile at a time, in the order asked; a request for a grammar already compiled or compiling
