@@ -6,8 +6,10 @@ replayed request is encoded again (encoding is deterministic) and keeps the toke
 Under data parallelism it places each encoded request on a replica (actors.replicas); aborts, pings
 and flushes go to every replica.
 
-A request with an output constraint (a guide) has its grammar built in a thread of its own
-(runtime.structured.grammars, cached by guide); a bad guide is refused here with a 400.
+A request with an output constraint (a guide) goes on with it: its engine builds and compiles the
+grammar out of the batch's way (runtime.structured.masks), and a bad guide is refused from there with
+a 400. Building it here too, to refuse it sooner, held this actor's GIL while plain prompts waited,
+and took a second share of the cores the engine's steps run on.
 
 Each frame is decoded as it is received, since the next receive hands its space back to the
 writer. Long prompts go to a lane of their own (a thread with its own tokenizer, whose Rust core
@@ -35,8 +37,6 @@ from actors.replicas import Replicas
 from api.protocol import MAX_PROMPT_LOGPROB_ENTRIES, context_overflow, prompt_overflow
 from runtime.config import ModelConfig
 from runtime.models.source import load_tokenizer
-from runtime.sampling_params import SamplingParams
-from runtime.structured.grammars import GuideError, build_grammar, lower_priority
 from runtime.text.fast_encode import Encode, encode_with_transformers, fast_encoder
 from runtime.text.prompt_length import encode_unless_longer, max_token_bytes
 from transport.ring import Frame
@@ -78,8 +78,7 @@ class TokenizerActor(Actor):
         self.lane_tokenizer = load_tokenizer(serve.model_dir, required=True)
         self.lane_encode = _encoder(self.lane_tokenizer)
         self.lane = ThreadPoolExecutor(1, thread_name_prefix="long-prompts")
-        self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits, encodes or builds its grammar
-        self.grammar_lane = ThreadPoolExecutor(1, thread_name_prefix="grammars", initializer=lower_priority)  # beside the engine's steps
+        self.in_lane: dict[tuple[int, int], bool] = {}  # (rid, epoch) -> aborted while it waits or encodes
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_position, self.vocab_size = model.max_position, model.vocab_size
         self.slot["gauges"][TokenizerGauge.TOKEN_BYTES] = max_token_bytes(self.tokenizer)  # the api workers' length bound
@@ -90,7 +89,6 @@ class TokenizerActor(Actor):
 
     async def teardown(self) -> None:
         self.lane.shutdown(wait=False, cancel_futures=True)
-        self.grammar_lane.shutdown(wait=False, cancel_futures=True)
 
     async def run(self) -> None:
         while True:
@@ -183,23 +181,10 @@ class TokenizerActor(Actor):
                 f"{top} each make {len(ids) * (top + 2)} entries; at most {MAX_PROMPT_LOGPROB_ENTRIES} (prompt tokens x (N + 2))",
                 param="prompt_logprobs",
             )
-        elif req.guide is None or (params := await self._with_guide(sub, params, req.guide)) is not None:  # the prompt's text stays here
+        else:  # the prompt's text stays here
+            params = params if req.guide is None else replace(params, guide=req.guide)
             scheduler = self.replicas.place(ids, params.cache_salt)
             await self.send(scheduler, Tokenized(params, req.detok, req.trace, ids, req.generated, req.pin), sub.rid, epoch=sub.epoch)
-
-    async def _with_guide(self, sub: Submission, params: SamplingParams, guide: tuple[str, str]) -> SamplingParams | None:
-        """The params with the guide, once its grammar has been built here (which refuses a bad or
-        oversized one; the engine builds it again from the cache-friendly spec, not from megabytes of
-        grammar sent down the rings); None when it was refused, or aborted while it was built."""
-        key = (sub.rid, sub.epoch)
-        self.in_lane[key] = False
-        try:
-            await asyncio.get_running_loop().run_in_executor(self.grammar_lane, build_grammar, *guide)
-        except GuideError as exc:
-            if not self.in_lane.pop(key, True):
-                await self._refuse(sub, str(exc))
-            return None
-        return None if self.in_lane.pop(key, True) else replace(params, guide=guide)
 
     @staticmethod
     def _text_of(tokenizer: Any, req: Submit) -> str:

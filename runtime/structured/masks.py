@@ -137,8 +137,8 @@ class GrammarMasks:
     def _compile(self, guide: Guide, job: _Compile | None = None) -> Any:
         """The guide's grammar compiled against the vocabulary. For a `job` (on the compile thread), built by
         the builder process, and its bound counts from there, once the compiler and the builder are ready;
-        else built here (the tokenizer actor built, and so bounded, the same grammar before the request was
-        scheduled)."""
+        else built here (between steps: a server's request got here only once a job had built, and so bounded,
+        the same grammar)."""
         import xgrammar as xgr
 
         compiler = self._loaded_compiler(beside_steps=job is not None)
