@@ -190,16 +190,18 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
 
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     server = two_workers
-    bodies = _bodies(32, 400, server.model)  # long enough to be running when the worker dies, however slow its restart
+    bodies = _bodies(32, 400, server.model)  # still running when the worker dies 0.3 s in, however slow its restart
     replays = server.log.read_bytes().count(b'"event":"replaying"')  # the earlier tests' tokenizer restart made one
+
+    rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)  # before the load: the status
+    victim = next(r["pid"] for r in rows if r["name"] == "api1")  # command takes seconds to start on a loaded machine
 
     async def scenario():
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
             reference = await _load(http, bodies)
             load = asyncio.create_task(_load(http, bodies))
             await asyncio.sleep(0.3)
-            rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
-            os.kill(next(r["pid"] for r in rows if r["name"] == "api1"), signal.SIGKILL)
+            os.kill(victim, signal.SIGKILL)
             return reference, await load
 
     reference, streams = asyncio.run(scenario())
