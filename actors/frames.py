@@ -58,7 +58,7 @@ class Submit(Payload):
     prompt: str | None
     ids: list[int] | None = None  # token ids the client sent instead of text
     generated: list[int] = field(default_factory=list)
-    guide: tuple[str, str] | None = None  # what the output is held to (api.guides): the tokenizer builds its grammar
+    guide: tuple[str, str] | None = None  # what the output is held to (api.guides): the engine builds its grammar
     template: dict[str, Any] | None = None  # the chat template's options (api.protocol.Completion.template)
     pin: bool = False  # a prefix warm-up: its prompt's pages stay in the prefix cache until unpinned
 

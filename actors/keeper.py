@@ -47,13 +47,12 @@ class PoolKeeper:
         """`segment_name`: where the pool lies on CPU (a dead keeper's is unlinked first); None on CUDA.
         `host_segment_name`: where the host tier lies (likewise), where there is one."""
         self.device, self.segment_name, self.host_segment_name = device, segment_name, host_segment_name
-        self.host: Segment | None = None
         if device.type == "cuda":  # the context now: the engine sizes its pool from what is free after it
             torch.cuda.set_device(device)
             torch.cuda.init()
             torch.empty(1, device=device)
         self.pool: torch.Tensor | None = None  # CUDA
-        self.segment: Segment | None = None  # CPU
+        self.segments: dict[str, Segment] = {}  # by name: the pool's on CPU, the host tier's
         for name in (segment_name, host_segment_name):
             if name is not None:
                 unlink_segment(name)  # a dead keeper's pool and tier: its engines died with it
@@ -78,15 +77,10 @@ class PoolKeeper:
     def _pool(self, size: int) -> tuple[Any, ...]:
         """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA, ("error", why) for another size than
         the pool's: made by the first question, then the same bytes for every engine."""
-        held = self.segment.size if self.segment is not None else self.pool.numel() if self.pool is not None else None
-        if held is not None and held != size:
-            return ("error", f"the keeper holds a KV pool of {held} bytes, not the {size} asked for")
         if self.segment_name is not None:
-            if self.segment is None:
-                self.segment = Segment.create(self.segment_name, size)
-                self.segment.owner = False  # the supervisor unlinks it at stop (Topology.kept)
-                log.info("kv_pool_made", bytes=size, segment=self.segment_name)
-            return ("shm", self.segment_name)
+            return self._shared(self.segment_name, size, "KV pool", "kv_pool_made")
+        if self.pool is not None and self.pool.numel() != size:
+            return ("error", f"the keeper holds a KV pool of {self.pool.numel()} bytes, not the {size} asked for")
         if self.pool is None:
             self.pool = torch.zeros(size, dtype=torch.uint8, device=self.device)
             torch.cuda.synchronize(self.device)
@@ -97,13 +91,18 @@ class PoolKeeper:
         """("shm", segment name) of the host tier, made by the first question; ("error", why) where there is none."""
         if self.host_segment_name is None:
             return ("error", "this keeper holds no host tier")
-        if self.host is None:
-            self.host = Segment.create(self.host_segment_name, size)
-            self.host.owner = False  # the supervisor unlinks it at stop (Topology.kept)
-            log.info("kv_host_tier_made", bytes=size, segment=self.host_segment_name)
-        elif self.host.size != size:
-            return ("error", f"the keeper holds a host tier of {self.host.size} bytes, not the {size} asked for")
-        return ("shm", self.host_segment_name)
+        return self._shared(self.host_segment_name, size, "host tier", "kv_host_tier_made")
+
+    def _shared(self, name: str, size: int, what: str, made: str) -> tuple[Any, ...]:
+        """("shm", name) of the segment that holds `what`, made by the first question; ("error", why) for another size."""
+        segment = self.segments.get(name)
+        if segment is None:
+            segment = self.segments[name] = Segment.create(name, size)
+            segment.owner = False  # the supervisor unlinks it at stop (Topology.kept)
+            log.info(made, bytes=size, segment=name)
+        elif segment.size != size:
+            return ("error", f"the keeper holds a {what} of {segment.size} bytes, not the {size} asked for")
+        return ("shm", name)
 
 
 class KeeperActor(Actor):

@@ -45,7 +45,7 @@ from actors.pipeline import api_worker_names, engine_names, kv_host_segment, poo
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
 from runtime.scheduler.scheduler import Request, Scheduler
-from runtime.scheduler.tiers import HostIndex, count_pages
+from runtime.scheduler.tiers import TIER_NAMES, HostIndex, count_pages
 from runtime.step import HostEntry, StepPlan
 from transport.ring import Frame
 from transport.segment import Segment, server_prefix
@@ -154,7 +154,7 @@ class SchedulerActor(Actor):
         self.m_queue_time, self.m_batch = m.queue_time.labels(*labels), m.batch_size.labels(labels[1])
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
         self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
-        self.m_tier_hits, self.m_labels = m.tier_hits, labels
+        self.m_tier_hits = {tier: m.tier_hits.labels(*labels, tier) for tier in TIER_NAMES}
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
@@ -423,7 +423,7 @@ class SchedulerActor(Actor):
         self.m_batch.observe(len(plan.chunks) + len(plan.decodes))
         for tier, tokens in self.core.tier_hits.items():  # what this plan's admissions found in each tier
             if tokens > self.counted_hits[tier]:
-                self.m_tier_hits.labels(self.m_labels[0], self.m_labels[1], tier).inc(tokens - self.counted_hits[tier])
+                self.m_tier_hits[tier].inc(tokens - self.counted_hits[tier])
                 self.counted_hits[tier] = tokens
         now = time.monotonic()
         for request in self.core.admitted:

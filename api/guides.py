@@ -1,6 +1,6 @@
 """Structured output and tools in a request: which guide (runtime.structured.grammars) constrains
 its output, and the tools its chat template receives. Every spelling vLLM, SGLang and OpenAI use
-reads into one (kind, spec) pair; the tokenizer actor builds the grammar and refuses a bad one.
+reads into one (kind, spec) pair; the engine builds the grammar and refuses a bad one.
 """
 
 from __future__ import annotations

@@ -321,6 +321,8 @@ class EngineConfig(CliConfig):
             raise ValueError(
                 f"hicache_ratio must be more than 0 and hicache_size at least 0, not {self.hicache_ratio}, {self.hicache_size}"
             )
+        if self.hicache_storage_backend not in (None, *STORAGE_BACKENDS):
+            raise ValueError(f"hicache_storage_backend must be one of {STORAGE_BACKENDS} or none, not {self.hicache_storage_backend!r}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, not {self.hicache_write_policy!r}")
         if not self.grammar_compile_timeout > 0:

@@ -29,10 +29,6 @@ class Chunk:
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
 
 
-# what a KVMove does: device pages to host (store), host to device (load), host to disk files (save), files to host (read)
-MOVE_KINDS = ("store", "load", "save", "read")
-
-
 @dataclass(frozen=True)
 class KVMove:
     """A copy of whole KV pages between the tiers (runtime.scheduler.radix_cache), run before the step's forward,
@@ -40,7 +36,7 @@ class KVMove:
     a store also gives what the host tier's index records of each page: the key before the first page (`parent`),
     the first page's place in the chain (`position`) and the pages' tokens."""
 
-    kind: str
+    kind: str  # device pages to host (store), host to device (load), host to disk files (save), files to host (read)
     device: list[int] = field(default_factory=list)  # store, load
     host: list[int] = field(default_factory=list)
     keys: list[bytes] = field(default_factory=list)  # store, save, read

@@ -56,7 +56,8 @@ class HostTier:
         page_bytes = KVPool.bytes_per_page(len(pool.kv), pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
         index_bytes = HostIndex.bytes_for(num_pages, pool.page_size)
         if memory is None:
-            memory = torch.zeros(index_bytes + num_pages * page_bytes, dtype=torch.uint8, pin_memory=pool.device.type == "cuda")
+            size = HostTier.bytes_for(num_pages, page_bytes, pool.page_size)
+            memory = torch.zeros(size, dtype=torch.uint8, pin_memory=pool.device.type == "cuda")
         elif pool.device.type == "cuda":  # pinned in place: the copies read and write it from the device
             cudart = torch.cuda.cudart()
             assert cudart is not None  # CUDA's runtime, on a CUDA device
@@ -76,7 +77,7 @@ class HostTier:
         self.page_bytes = page_bytes
         self._transfer = _sgl_transfer() if pool.device.type == "cuda" else None
         self.copies = "sgl-kernel" if self._transfer is not None else "torch"  # what moves the pages
-        self._unfinished: deque[tuple[torch.cuda.Event | None, list[int]]] = deque()  # stores queued, by the event after them
+        self._unfinished: deque[tuple[torch.cuda.Event, list[int]]] = deque()  # CUDA: stores queued, by the event after them
         self.moved_bytes = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # CUDA: each run's, until read
         self._seconds: list[float] = []
@@ -146,10 +147,9 @@ class HostTier:
         """Marks valid the index entries of stores that have run (`wait`: waits for every one)."""
         while self._unfinished:
             event, pages = self._unfinished[0]
-            if event is not None and not wait and not event.query():
+            if not wait and not event.query():
                 return
-            if event is not None:
-                event.synchronize()
+            event.synchronize()
             self.index.valid[pages] = 1
             self._unfinished.popleft()
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import NamedTuple
 
 from runtime.scheduler.pages import PageAllocator
@@ -175,7 +175,7 @@ class RadixCache:
         """The whole pages after `end` that disk holds, read into the host tier and loaded to the device as a new
         leaf under `end`; None where the next page has no file, or there is no room."""
         assert self.tiers is not None
-        offset = sum(len(n.tokens) for n in self._path(end))
+        offset = self._offset(end)
         whole = (len(tokens) - offset) // self.page_size
         keys = []
         for key in chain_keys(end.keys[-1], tokens[offset : offset + whole * self.page_size], self.page_size):
@@ -189,7 +189,7 @@ class RadixCache:
             return None
         device = self._device_pages(len(keys))
         if device is None:
-            self._free_host(host)
+            self.tiers.host.free(host)
             return None
         leaf = RadixNode(tuple(tokens[offset : offset + len(keys) * self.page_size]), device, end, host, keys)
         end.children[self._first_page(leaf.tokens)] = leaf
@@ -199,12 +199,14 @@ class RadixCache:
         self.moves.append(KVMove("load", device, list(host)))
         return leaf
 
-    def _path(self, node: RadixNode) -> list[RadixNode]:
-        path = []
+    @staticmethod
+    def _offset(node: RadixNode) -> int:
+        """How many tokens lie on the path from the root down to `node`, its own included."""
+        tokens = 0
         while node.parent is not None:
-            path.append(node)
+            tokens += len(node.tokens)
             node = node.parent
-        return path
+        return tokens
 
     def _device_pages(self, count: int) -> list[int] | None:
         if count > self.allocator.num_free:
@@ -237,23 +239,22 @@ class RadixCache:
                 self._store(leaf)
         return covered
 
-    def _store(self, node: RadixNode) -> bool:
-        """A host copy of the node's device pages (and under write_through, with a disk, its files); False where
-        the host tier has no room."""
+    def _store(self, node: RadixNode) -> None:
+        """A host copy of the node's device pages (and under write_through, with a disk, its files), where the host
+        tier has room."""
         assert self.tiers is not None
         host = self._host_pages(len(node.pages))
         if host is None:
-            return False
+            return
         node.host = host
         self.host_cached_pages += len(host)
         parent = node.parent
         assert parent is not None  # a root has no pages
-        position = sum(len(n.tokens) for n in self._path(parent)) // self.page_size
+        position = self._offset(parent) // self.page_size
         self.moves.append(KVMove("store", list(node.pages), host, list(node.keys), parent.keys[-1], position, list(node.tokens)))
         self._unconfirmed.update(host)
         if self.tiers.write_through and self.tiers.disk is not None:
             self.moves.append(KVMove("save", [], list(host), list(node.keys)))
-        return True
 
     def _host_pages(self, count: int) -> list[int] | None:
         """Host pages, evicting the least recently used host-only leaves to make room."""
@@ -278,9 +279,13 @@ class RadixCache:
     def _host_leaf(node: RadixNode) -> bool:
         return bool(node.host) and not node.pages and not node.children and node.lock_ref == 0
 
-    def _free_host(self, pages: list[int]) -> None:
-        assert self.tiers is not None
-        self.tiers.host.free(pages)
+    def _drop_host(self, node: RadixNode) -> None:
+        """The node's host copy goes back to the host tier's free pages."""
+        if node.host:
+            assert self.tiers is not None
+            self.tiers.host.free(node.host)
+            self.host_cached_pages -= len(node.host)
+            node.host = []
 
     def _remove(self, node: RadixNode) -> None:
         """Out of the tree with its subtree (whose device pages are gone already): their host pages are freed."""
@@ -290,11 +295,19 @@ class RadixCache:
         while stack:
             gone = stack.pop()
             stack.extend(gone.children.values())
-            if gone.host:
-                self._free_host(gone.host)
-                self.host_cached_pages -= len(gone.host)
-                gone.host = []
+            self._drop_host(gone)
             assert not gone.pages  # device residency is closed under prefixes
+
+    def _prune(self, drop: Callable[[RadixNode], bool]) -> None:
+        """Every node, top down from the roots: one that `drop` says goes leaves the tree with its subtree (which
+        is not visited); the others are descended into."""
+        stack = [self.root, *self.salted.values()]
+        while stack:
+            for child in list(stack.pop().children.values()):
+                if drop(child):
+                    self._remove(child)
+                else:
+                    stack.append(child)
 
     def lock(self, node: RadixNode | None) -> None:
         while node is not None:
@@ -351,10 +364,7 @@ class RadixCache:
     def flush(self) -> int:
         """Every unlocked page out of the device, and out of the host tier, with nothing demoted; disk keeps its files."""
         freed = self.evict(self.cached_pages, demote=False)
-        for node in list(self._nodes()):
-            parent = node.parent
-            if parent is not None and not node.pages and node.lock_ref == 0 and parent.children.get(self._first_page(node.tokens)) is node:
-                self._remove(node)  # unless a removal above took it already
+        self._prune(lambda node: not node.pages and node.lock_ref == 0)
         self._sweep_salts()
         return freed
 
@@ -383,20 +393,19 @@ class RadixCache:
         read = {page for move in lost if move.kind == "read" for page in move.host}
         self._unconfirmed -= stored
         reads, loads = [], []
-        for node in list(self._nodes()):
-            if node.parent is None or node.parent.children.get(self._first_page(node.tokens)) is not node:
-                continue  # a root, or removed below with its parent
+
+        def lost_copy(node: RadixNode) -> bool:
+            """Queues its lost read and load again; True where its host copy was lost and it has no other."""
             if not stored.isdisjoint(node.host):
-                self._free_host(node.host)
-                self.host_cached_pages -= len(node.host)
-                node.host = []
-                if not node.pages:
-                    self._remove(node)
-                continue
+                self._drop_host(node)
+                return not node.pages
             if not read.isdisjoint(node.host):
                 reads.append(KVMove("read", [], list(node.host), list(node.keys)))
             if not loaded.isdisjoint(node.pages) and node.host:
                 loads.append(KVMove("load", list(node.pages), list(node.host)))
+            return False
+
+        self._prune(lost_copy)
         self.moves = reads + loads + self.moves
 
     def restore(self, entries: list[HostEntry]) -> None:
@@ -426,4 +435,4 @@ class RadixCache:
                     kept.add(page)
                     self.host_cached_pages += 1
                 stack.extend((node, child) for child in children.get(key, ()))
-        self._free_host(sorted(used - kept))
+        self.tiers.host.free(sorted(used - kept))

@@ -13,7 +13,7 @@ from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
-from runtime.scheduler.tiers import Tiers
+from runtime.scheduler.tiers import TIER_NAMES, Tiers
 from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
@@ -68,7 +68,7 @@ class Scheduler:
         if config.hierarchical_cache:
             tiers = Tiers(PageAllocator(host_pages), config.hicache_write_policy == "write_through", disk)
         self.cache = RadixCache(self.allocator, config.page_size, tiers) if config.enable_prefix_cache else None
-        self.tier_hits = {"device": 0, "host": 0, "disk": 0}  # prompt tokens found in each tier at admission
+        self.tier_hits = dict.fromkeys(TIER_NAMES, 0)  # prompt tokens found in each tier at admission
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_position = max_position
         self.waiting: deque[Request] = deque()

@@ -28,6 +28,7 @@ KEY_BYTES = 16
 INDEX_ALIGN = 4096  # the host tier's pages start on a boundary of this many bytes after its index
 WRITE_POLICIES = ("write_through", "write_back")
 STORAGE_BACKENDS = ("file",)
+TIER_NAMES = ("device", "host", "disk")  # where a cached prompt token was found
 
 
 def root_key(salt: str | None) -> bytes:

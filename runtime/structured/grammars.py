@@ -1,10 +1,10 @@
 """A request's output constraint (a guide: kind and spec) as an xgrammar grammar, serialized.
 
-Built first where prompts are encoded (the tokenizer actor), so that a bad or oversized schema,
-regex or grammar is refused with a 400 before anything is scheduled; the engine builds it again
-from the same guide (cached) and compiles it against the vocabulary (runtime.structured.masks).
-Its JSON strings are kept strict, and a grammar that admits nothing is refused
-(runtime.structured.checks). xgrammar is imported on the first guide, not at start-up.
+Built by the engine's builder process (runtime.structured.builder) while the request waits out of the
+batch, then compiled against the vocabulary (runtime.structured.masks); a bad or oversized schema,
+regex or grammar is refused with a 400 from there. Its JSON strings are kept strict, and a grammar
+that admits nothing is refused (runtime.structured.checks). xgrammar is imported on the first guide,
+not at start-up.
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ MAX_MESSAGE_CHARS = 500
 # building and compiling take about 0.8 s a MB of grammar against a 49k vocabulary on two cores: this bounds the
 # work one request can give the engine's compile thread (runtime.structured.masks), which runs beside the steps
 MAX_GRAMMAR_BYTES = 4 << 20
-# how much lower than the steps' threads a grammar's build and compile run, in the tokenizer actor and the engine:
-# on a CPU engine a build at the same priority made its steps of 16 streams 3-4x slower
+# how much lower than the steps' threads a grammar's build and compile run in the engine: on a CPU engine a build
+# at the same priority made its steps of 16 streams 3-4x slower
 GRAMMAR_NICE = 5
 _SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")  # xgrammar's "[time] file.cc:line: " before its message
 
