@@ -5,9 +5,11 @@ It measures what a KV cache saves when conversations come back to it: --clients 
 at once (client i starts i x --stagger s in), each --rounds rounds. A round's prompt is the whole
 conversation so far (every earlier prompt and answer) and --user-tokens new tokens; its answer is
 exactly --answer-tokens greedy tokens (ignore_eos). A client sends its next round as soon as its
-answer is complete (after --think-time s). Prompts go to /v1/completions as token ids, and answers
-come back as token ids (return_token_ids), so each round's prompt extends the one before it token
-for token. User tokens are random ids in USER_IDS, drawn from --seed and the client's index.
+answer is complete (after --think-time s), and with --max-parallel P at most P rounds are in flight: a
+client whose round is ready waits for a free place, and its TTFT counts from sending, as in SGLang's.
+Prompts go to /v1/completions as token ids, and answers come back as token ids (return_token_ids), so
+each round's prompt extends the one before it token for token. User tokens are random ids in USER_IDS,
+drawn from --seed and the client's index.
 
 Each --arm NAME='FLAGS' serves the default model (or --model) with FLAGS and the flags after --,
 on a server of its own, one arm after another, so that arms differing in one setting (the pool's
@@ -107,17 +109,21 @@ async def ask(http: aiohttp.ClientSession, prompt: list[int], answer_tokens: int
     return answer
 
 
-async def converse(http: aiohttp.ClientSession, client: int, users: list[list[int]], args: argparse.Namespace, turns: list[Turn]) -> None:
-    """One client's rounds, each sent once the one before it has its whole answer; a failed round ends the conversation."""
+async def converse(
+    http: aiohttp.ClientSession, client: int, users: list[list[int]], args: argparse.Namespace, turns: list[Turn], places: asyncio.Semaphore
+) -> None:
+    """One client's rounds, each sent once the one before it has its whole answer and a place is free; a failed
+    round ends the conversation."""
     await asyncio.sleep(client * args.stagger)
     context: list[int] = []
     for number, user in enumerate(users, 1):
         if number > 1:
             await asyncio.sleep(args.think_time)
-        turn = Turn(client, number)
-        turns.append(turn)
         context += user
-        answer = await ask(http, context, args.answer_tokens, turn)
+        async with places:
+            turn = Turn(client, number)
+            turns.append(turn)
+            answer = await ask(http, context, args.answer_tokens, turn)
         if not turn.ok:
             return
         context += answer
@@ -162,7 +168,8 @@ async def load(http: aiohttp.ClientSession, users: list[list[list[int]]], args: 
         reply.raise_for_status()
     turns: list[Turn] = []
     started = time.perf_counter()
-    tasks = [asyncio.create_task(converse(http, client, user, args, turns)) for client, user in enumerate(users)]
+    places = asyncio.Semaphore(args.max_parallel or len(users))
+    tasks = [asyncio.create_task(converse(http, client, user, args, turns, places)) for client, user in enumerate(users)]
     done, pending = await asyncio.wait(tasks, timeout=args.time_limit)
     wall_s = time.perf_counter() - started
     for task in pending:  # a round still in flight counts as unfinished
@@ -279,7 +286,8 @@ def table(record: dict[str, Any]) -> str:
     cells = [["", *(a["name"] for a in arms)], *([label, *("-" if v is None else str(v) for v in values)] for label, values in rows)]
     widths = [max(len(row[i]) for row in cells) for i in range(len(cells[0]))]
     head = (
-        f"{load['clients']} conversations x {load['rounds']} rounds of {load['user_tokens']} user + {load['answer_tokens']} answer "
+        f"{load['clients']} conversations ({load.get('max_parallel', load['clients'])} rounds in flight at most) x {load['rounds']} "
+        f"rounds of {load['user_tokens']} user + {load['answer_tokens']} answer "
         f"tokens; final contexts: {load['context_tokens']:,} tokens in all"
     )
     return "\n".join([head, *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells)])
@@ -315,8 +323,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--arm", type=_arm, action="append", metavar="NAME='FLAGS'", help="a server to measure (repeatable; default: one, as is)"
     )
     p.add_argument("--model", help="a model folder or hub id (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--clients", type=int, default=16, help="conversations at once")
+    p.add_argument("--clients", type=int, default=16, help="conversations")
     p.add_argument("--rounds", type=int, default=5, help="of each conversation")
+    p.add_argument("--max-parallel", type=int, default=0, help="rounds in flight at most, over all clients (default: no limit)")
     p.add_argument("--user-tokens", type=int, default=2000, help="new tokens of user text a round")
     p.add_argument("--answer-tokens", type=int, default=256, help="tokens of each answer, exactly")
     p.add_argument("--think-time", type=float, default=0.0, help="seconds a client waits after an answer before its next round")
@@ -337,6 +346,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.arm = args.arm or [("default", "")]
     if len({name for name, _ in args.arm}) < len(args.arm):
         p.error("two arms with one name")
+    if args.max_parallel < 0:
+        p.error("--max-parallel must be at least 1 (0: no limit)")
     if min(args.clients, args.rounds, args.user_tokens, args.answer_tokens) < 1:
         p.error("--clients, --rounds, --user-tokens and --answer-tokens must be at least 1")
     if args.model is None:
@@ -358,6 +369,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "workload": {
             "clients": args.clients,
             "rounds": args.rounds,
+            "max_parallel": args.max_parallel or args.clients,
             "user_tokens": args.user_tokens,
             "answer_tokens": args.answer_tokens,
             "think_time_s": args.think_time,

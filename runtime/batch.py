@@ -37,6 +37,7 @@ class ForwardBatch:
     kv_rows: Tensor  # [T, 2]: where each new token's K and V go (see kv_rows)
     meta: AttentionMeta
     between_layers: Callable[[], bool] | None = None  # after each layer of an eager step: True abandons it
+    before_layer: Callable[[int], None] | None = None  # before each layer of an eager step (KV tiers' copies)
 
 
 def kv_rows(pages: np.ndarray, offsets: np.ndarray, page_size: int) -> np.ndarray:

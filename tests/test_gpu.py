@@ -718,3 +718,57 @@ def test_fp8_kv_cache_on_cuda_gives_the_tokens_of_torch_attention_over_it(tmp_pa
     assert_same_greedy_tokens(reference, eager, "flashinfer over FP8 pages", most=4)  # FP8 keys make exact ties common
     graphs = greedy_run(model_dir, attention_backend="flashinfer", kv_cache_dtype="fp8_e4m3")
     assert_same_greedy_tokens(reference, graphs, "FP8 pages in CUDA graphs", most=4)
+
+
+@pytest.mark.parametrize("copier", ["sgl-kernel", "torch"])
+def test_tier_copies_wait_for_the_forward_before_them_and_each_layer_waits_for_its_own(copier, monkeypatch):
+    """The copy stream's stores read what the device's stream wrote before them, though that was slow to come;
+    a load's layer is in the pool once the device's stream has waited for it."""
+    from runtime.engine import kv_tiers
+    from runtime.step import KVMove
+
+    if copier == "torch":
+        monkeypatch.setattr(kv_tiers, "_sgl_copier", lambda: None)
+    elif kv_tiers._sgl_copier() is None:  # pyright: ignore[reportPrivateUsage]
+        pytest.skip("sgl-kernel's page transfer is not installed")
+    layers, pages = 4, 8
+    pool = KVPool(layers, 64, PAGE, 8, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
+    tier = kv_tiers.HostTier(pool, 32, None, None)
+    assert tier.copies == copier
+    late = [torch.randn_like(pool.kv[layer][:pages]) for layer in range(layers)]
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(20):  # the device's stream is still busy when the copies are queued
+        busy = busy @ busy / 64
+    for layer in range(layers):
+        pool.kv[layer][:pages] = late[layer]
+    keys = [bytes([page]) * 16 for page in range(pages)]
+    store = KVMove("store", list(range(pages)), list(range(10, 10 + pages)), keys, bytes(16), 0, [7] * pages * PAGE)
+    tier.run([store])
+    load = KVMove("load", list(range(40, 40 + pages)), list(range(10, 10 + pages)))
+    waits = tier.run([load])
+    assert waits is not None
+    landed = []
+    for layer in range(layers):
+        waits.layer(layer)
+        landed.append(pool.kv[layer][40 : 40 + pages].clone())
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        assert torch.equal(tier.pool.kv[layer][10 : 10 + pages], late[layer].cpu())
+        assert torch.equal(landed[layer], late[layer])
+    tier.finish_stores(wait=True)
+    assert tier.index.valid[10 : 10 + pages].all() and not tier.index.valid[:10].any()
+
+
+def test_the_host_tier_on_cuda_changes_no_token(tmp_path):
+    """Conversations through a device pool too small for them, with the tiers' copies on their own stream, eager
+    and in graphs: the tokens of the same conversations with no prefix cache."""
+    from tests.test_kv_tiers import SMALL_POOL, conversations
+
+    model_dir = build("llama", tmp_path)
+    options = {**SMALL_POOL, "attention_backend": "torch", "device": "cuda"}
+    uncached = conversations(LLM(model_dir, **options, enable_prefix_cache=False))[0]
+    llm = LLM(model_dir, **options, hierarchical_cache=True, hicache_ratio=8)
+    answers, _ = conversations(llm)
+    assert llm.scheduler.tier_hits["host"] > 0
+    assert answers == uncached

@@ -27,7 +27,7 @@ from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
-from runtime.engine.kv_tiers import HostTier, namespace
+from runtime.engine.kv_tiers import HostTier, LayerWaits, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
@@ -343,12 +343,13 @@ class Engine:
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
         self._apply(plan)
+        waits = None
         if plan.moves:
             assert self.tiers is not None  # the scheduler moves pages between tiers only where there are some
-            self.tiers.run(plan.moves)
+            waits = self.tiers.run(plan.moves)
         step = self._host_step(plan)
         try:
-            logits, sample_slots_on_device = self._forward(plan, step)
+            logits, sample_slots_on_device = self._forward(plan, step, waits)
         except StepAbandoned:  # its rows' KV is not all in the pool: the slots end where they were
             self.lengths[step.seq_slots] -= np.diff(step.qo_indptr)
             raise
@@ -393,12 +394,14 @@ class Engine:
         decodes = np.array(plan.decodes, dtype=np.int64)
         return HostStep(tokens, seq_slots, qo_indptr, positions, kv_dest, meta, decodes, sampled, sample_slots, states, rows)
 
-    def _forward(self, plan: StepPlan, step: HostStep) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Queues the forward: a decode graph (decode-only steps it fits), a prefill graph, or eager.
-        Returns the logits of the sampling rows (None where none samples) and, from a decode graph,
-        their slots on the device."""
+    def _forward(self, plan: StepPlan, step: HostStep, waits: LayerWaits | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """Queues the forward: a decode graph (decode-only steps it fits), a prefill graph, or eager; a graph
+        after the tiers' copies, an eager forward layer by layer as they land (`waits`). Returns the logits of
+        the sampling rows (None where none samples) and, from a decode graph, their slots on the device."""
         tokens, decodes, sampled = step.tokens, step.decodes, step.sampled
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):  # every row samples
+            if waits is not None:
+                waits.all()
             return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
         # alignment and strides at every step, so no step compiles a new variant of it
@@ -412,8 +415,11 @@ class Engine:
         batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
         shape = self.prefill_graphs.fit(tokens, len(step.seq_slots)) if self.prefill_graphs else None
         if shape:
+            if waits is not None:
+                waits.all()
             hidden = self.prefill_graphs.replay(shape, batch)  # pyright: ignore[reportOptionalMemberAccess]  # shape: only with graphs
         else:
+            batch.before_layer = waits.layer if waits is not None else None
             self.attention.prepare(step.meta)
             hidden = self.model(batch, self.attention)
         self._prompt_logprobs(plan, step, hidden)

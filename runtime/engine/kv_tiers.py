@@ -3,9 +3,10 @@ the moves a plan carries between the device, the host tier and disk (runtime.ste
 
 The host tier is the device pool's layout (runtime.attention.pool.KVPool) in host memory: a segment the
 keeper holds (actors.keeper), so that it outlives the engine, or the engine's own. On CUDA it is pinned,
-and the copies run on the device's stream with sgl-kernel's page-transfer kernels where they are
-installed (one gather or scatter a layer, reading or writing host memory directly), else with torch's
-indexing; on CPU they are torch's indexing.
+and the copies run on a stream of their own, layer by layer, with sgl-kernel's page-transfer kernels where
+they are installed (one gather or scatter a layer, reading or writing host memory directly), else with
+torch's indexing; the step's forward waits for a layer's copies just before that layer, as SGLang's
+HiCache does. On CPU they are torch's indexing, run before the forward.
 
 Ahead of the pages lies the index: what each host page holds (its chain key, the key before it, its place in
 the chain and its tokens), set as a store is queued and marked valid once it has run. A new scheduler
@@ -25,6 +26,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
@@ -75,8 +77,11 @@ class HostTier:
             memory=memory[index_bytes:],
         )
         self.page_bytes = page_bytes
-        self._transfer = _sgl_transfer() if pool.device.type == "cuda" else None
-        self.copies = "sgl-kernel" if self._transfer is not None else "torch"  # what moves the pages
+        cuda = pool.device.type == "cuda"
+        sgl = _sgl_copier() if cuda else None
+        self._copier: Copier = sgl or TorchCopier()
+        self.copies = "sgl-kernel" if sgl is not None else "torch"  # what moves the pages
+        self._stream = torch.cuda.Stream(pool.device) if cuda else None  # CUDA: the copies' own
         self._unfinished: deque[tuple[torch.cuda.Event, list[int]]] = deque()  # CUDA: stores queued, by the event after them
         self.moved_bytes = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
         self._timings: deque[tuple[torch.cuda.Event, torch.cuda.Event]] = deque()  # CUDA: each run's, until read
@@ -86,19 +91,25 @@ class HostTier:
     def bytes_for(num_pages: int, page_bytes: int, page_size: int) -> int:
         return HostIndex.bytes_for(num_pages, page_size) + num_pages * page_bytes
 
-    def run(self, moves: list[KVMove]) -> None:
-        """A plan's moves, in order, queued on the device's stream ahead of its forward (timed: take_stats)."""
+    def run(self, moves: list[KVMove]) -> LayerWaits | None:
+        """A plan's moves, in order (timed: take_stats). On CUDA they are queued on a copy stream of their own,
+        layer after layer, once the work queued before them on the device's stream has run; the step's forward
+        waits for each layer's copies before that layer (the LayerWaits returned), so a layer's loads overlap the
+        layers before it. On CPU they run here, at once, and None is returned."""
         self.finish_stores(wait=False)
-        if self.device_pool.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self._move(moves)
-            end.record()
-            self._timings.append((start, end))
-        else:
+        if self._stream is None:
             started = time.perf_counter()
-            self._move(moves)
+            waits = self._move(moves)
             self._seconds.append(time.perf_counter() - started)
+            return waits
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        self._stream.wait_stream(torch.cuda.current_stream())  # the forwards before may still write these pages
+        with torch.cuda.stream(self._stream):
+            start.record()
+            waits = self._move(moves)
+            end.record()
+        self._timings.append((start, end))
+        return waits
 
     def take_stats(self) -> tuple[dict[str, int], list[float]]:
         """Bytes moved in each direction, and the seconds each finished run took, since the last call."""
@@ -109,22 +120,50 @@ class HostTier:
         seconds, self._seconds = self._seconds, []
         return moved, seconds
 
-    def _move(self, moves: list[KVMove]) -> None:
-        for move in moves:
-            if move.kind == "store":
-                self._index_pages(move)
-                self._copy(self.device_pool, move.device, self.pool, move.host, to_host=True)
-                self._mark_stored(move.host)
-                self.moved_bytes["device_to_host"] += len(move.host) * self.page_bytes
-            elif move.kind == "load":
-                self._copy(self.pool, move.host, self.device_pool, move.device, to_host=False)
-                self.moved_bytes["host_to_device"] += len(move.host) * self.page_bytes
-            elif move.kind == "save":
-                self.finish_stores(wait=True)  # the pages' bytes must have landed
+    def _move(self, moves: list[KVMove]) -> LayerWaits | None:
+        """Each run of stores and loads layer by layer; a save or read between them on the host, after the copies
+        queued before it have run (a save reads what a store wrote; a read overwrites what a load may still read)."""
+        waits, copies = None, []
+        for move in [*moves, None]:
+            if move is not None and move.kind in ("store", "load"):
+                copies.append(move)
+                continue
+            if copies:
+                waits = self._copy_layers(copies)
+                copies = []
+            if move is None:
+                break
+            if self._stream is not None:
+                self._stream.synchronize()
+            self.finish_stores(wait=True)
+            if move.kind == "save":
                 self._save(move.host, move.keys)
             else:
                 self.index.valid[move.host] = 0  # its entries are for what the pages held before
                 self._read(move.keys, move.host)
+        return waits
+
+    def _copy_layers(self, moves: list[KVMove]) -> LayerWaits | None:
+        """Stores and loads, the first layer of every one before the second of any; on CUDA, an event after each layer."""
+        copies = []
+        for move in moves:
+            store = move.kind == "store"
+            if store:
+                self._index_pages(move)
+            source, target = (self.device_pool, self.pool) if store else (self.pool, self.device_pool)
+            copies.append(self._copier.prepare(source, move.device if store else move.host, target, move.host if store else move.device))
+            self.moved_bytes["device_to_host" if store else "host_to_device"] += len(move.host) * self.page_bytes
+        events = []
+        for layer in range(len(self.pool.kv)):
+            for copy in copies:
+                copy(layer)
+            if self._stream is not None:
+                events.append(torch.cuda.Event())
+                events[-1].record()
+        for move in moves:
+            if move.kind == "store":
+                self._mark_stored(move.host)
+        return LayerWaits(events) if events else None
 
     def _index_pages(self, move: KVMove) -> None:
         ps = self.device_pool.page_size
@@ -136,7 +175,7 @@ class HostTier:
         self.index.tokens[pages] = np.asarray(move.tokens, np.int32).reshape(-1, ps)
 
     def _mark_stored(self, pages: list[int]) -> None:
-        if self.device_pool.device.type != "cuda":
+        if self._stream is None:
             self.index.valid[pages] = 1
             return
         event = torch.cuda.Event()
@@ -152,21 +191,6 @@ class HostTier:
             event.synchronize()
             self.index.valid[pages] = 1
             self._unfinished.popleft()
-
-    def _copy(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int], to_host: bool) -> None:
-        device = self.device_pool.device
-        src = torch.tensor(from_pages, dtype=torch.int64)
-        dst = torch.tensor(to_pages, dtype=torch.int64)
-        if self._transfer is not None:
-            self._transfer(source, src.to(device), target, dst.to(device))
-            return
-        if to_host:
-            src = src.to(device)
-        else:
-            dst = dst.to(device)
-        for layer in range(len(source.kv)):  # as bytes: float8 has no indexing kernels on every device
-            pages = source.kv[layer].view(torch.uint8).index_select(0, src)
-            target.kv[layer].view(torch.uint8).index_copy_(0, dst, pages.to(target.kv[layer].device, non_blocking=not to_host))
 
     def _page_bytes(self, page: int) -> list[np.ndarray]:
         return [layer[page].view(torch.uint8).numpy().reshape(-1) for layer in self.pool.kv]
@@ -194,10 +218,74 @@ class HostTier:
             self.moved_bytes["disk_to_host"] += self.page_bytes
 
 
-def _sgl_transfer() -> Callable[[KVPool, Tensor, KVPool, Tensor], None] | None:
-    """sgl-kernel's per-layer page transfer between a device pool and pinned host memory, where it is installed
-    with the signature this was written for and copies a page there and back intact; else None (torch's
-    indexing moves the pages)."""
+class LayerWaits:
+    """What a step's forward waits for on CUDA: the events after each layer's copies on the copy stream."""
+
+    def __init__(self, events: list[torch.cuda.Event]) -> None:
+        self.events = events
+
+    def layer(self, index: int) -> None:
+        """The device's stream waits for layer `index`'s copies (and every copy queued before them)."""
+        torch.cuda.current_stream().wait_event(self.events[min(index, len(self.events) - 1)])
+
+    def all(self) -> None:
+        torch.cuda.current_stream().wait_event(self.events[-1])
+
+
+LayerCopy = Callable[[int], None]
+
+
+class Copier(Protocol):
+    def prepare(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int]) -> LayerCopy:
+        """A copy of whole pages from one pool to the other, a layer a call, on the current stream."""
+        ...
+
+
+def _indices(pages: list[int], device: torch.device) -> Tensor:
+    """Page ids on `device`; to a GPU through pinned memory, so that the host does not wait for the stream."""
+    host = torch.tensor(pages, dtype=torch.int64)
+    return host if device.type == "cpu" else host.pin_memory().to(device, non_blocking=True)
+
+
+class TorchCopier:
+    """torch's indexing, as bytes: float8 has no indexing kernels on every device."""
+
+    def prepare(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int]) -> LayerCopy:
+        src, dst = _indices(from_pages, source.device), _indices(to_pages, target.device)
+
+        def copy(layer: int) -> None:
+            pages = source.kv[layer].view(torch.uint8).index_select(0, src).to(target.device, non_blocking=target.device.type != "cpu")
+            target.kv[layer].view(torch.uint8).index_copy_(0, dst, pages)
+
+        return copy
+
+
+class SglCopier:
+    """sgl-kernel's per-layer page transfer between a device pool and pinned host memory: one kernel a layer
+    that gathers and scatters token rows, reading or writing host memory directly."""
+
+    def __init__(self, transfer: Callable[..., None]) -> None:
+        self.transfer = transfer
+
+    def prepare(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int]) -> LayerCopy:
+        device = source.device if source.device.type == "cuda" else target.device
+        ps = source.page_size
+        # each page's K rows start at page·2·ps and its V rows ps after: one row index a token, K and V views ps apart
+        offsets = torch.arange(ps, device=device)
+        src_rows = (_indices(from_pages, device)[:, None] * 2 * ps + offsets).reshape(-1)
+        dst_rows = (_indices(to_pages, device)[:, None] * 2 * ps + offsets).reshape(-1)
+        row_bytes = source.num_kv_heads * source.head_dim * source.dtype.itemsize
+
+        def copy(layer: int) -> None:
+            src, dst = source.rows(layer).view(torch.uint8), target.rows(layer).view(torch.uint8)
+            self.transfer(src, dst, src[ps:], dst[ps:], src_rows, dst_rows, row_bytes)
+
+        return copy
+
+
+def _sgl_copier() -> SglCopier | None:
+    """An SglCopier where sgl-kernel is installed with the signature this was written for and copies a page there
+    and back intact; else None (torch's indexing moves the pages)."""
     try:
         from sgl_kernel.kvcacheio import transfer_kv_per_layer
     except ImportError:
@@ -205,26 +293,15 @@ def _sgl_transfer() -> Callable[[KVPool, Tensor, KVPool, Tensor], None] | None:
     expected = ["src_k", "dst_k", "src_v", "dst_v", "src_indices", "dst_indices", "item_size"]
     if list(inspect.signature(transfer_kv_per_layer).parameters)[:7] != expected:
         return None
-
-    def transfer(source: KVPool, src_pages: Tensor, target: KVPool, dst_pages: Tensor) -> None:
-        ps = source.page_size
-        # each page's K rows start at page·2·ps and its V rows ps after: one row index a token, K and V views ps apart
-        offsets = torch.arange(ps, device=src_pages.device)
-        src_rows = (src_pages[:, None] * 2 * ps + offsets).reshape(-1)
-        dst_rows = (dst_pages[:, None] * 2 * ps + offsets).reshape(-1)
-        row_bytes = source.num_kv_heads * source.head_dim * source.dtype.itemsize
-        for layer in range(len(source.kv)):
-            src, dst = source.rows(layer).view(torch.uint8), target.rows(layer).view(torch.uint8)
-            transfer_kv_per_layer(src, dst, src[ps:], dst[ps:], src_rows, dst_rows, row_bytes)
-
+    copier = SglCopier(transfer_kv_per_layer)
     device = torch.device("cuda", torch.cuda.current_device())
-    pages = torch.tensor([1], device=device)
     on_device = KVPool(1, 2, 4, 2, 64, torch.bfloat16, device)
     pinned = torch.zeros(KVPool.bytes_per_page(1, 4, 2, 64, torch.bfloat16) * 2, dtype=torch.uint8).pin_memory()
     on_host = KVPool(1, 2, 4, 2, 64, torch.bfloat16, torch.device("cpu"), memory=pinned)
     on_device.kv[0].normal_()
-    transfer(on_device, pages, on_host, pages)
+    copier.prepare(on_device, [1], on_host, [1])(0)
     back = KVPool(1, 2, 4, 2, 64, torch.bfloat16, device)
-    transfer(on_host, pages, back, pages)
+    copier.prepare(on_host, [1], back, [1])(0)
     torch.cuda.synchronize(device)
-    return transfer if torch.equal(back.kv[0][1], on_device.kv[0][1]) and torch.equal(on_host.kv[0][1], on_device.kv[0][1].cpu()) else None
+    intact = torch.equal(back.kv[0][1], on_device.kv[0][1]) and torch.equal(on_host.kv[0][1], on_device.kv[0][1].cpu())
+    return copier if intact else None

@@ -179,7 +179,9 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         h, residual = self.model.embed_tokens(batch.input_ids), None
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
-        for layer in self.model.layers:
+        for index, layer in enumerate(self.model.layers):
+            if batch.before_layer is not None:
+                batch.before_layer(index)
             h, residual = layer(h, residual, rope, batch, backend)
             if batch.between_layers is not None and batch.between_layers():
                 raise StepAbandoned
