@@ -68,7 +68,7 @@ class TorchAttention:
             keys, values = self._kv(layer, pages)
             # each KV head's query heads as its rows: SDPA then needs no GQA expansion
             grouped = q.view(len(q), kv_heads, -1, q.shape[-1])
-            return F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).view(q.shape)
+            return F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).reshape(q.shape)
         out = torch.empty_like(q)
         for i, pages in enumerate(self._pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
