@@ -1,8 +1,9 @@
 """The floor under the KV tiers on a card: how fast pages move between the device pool and the host tier.
 
 It lays a device pool and a host tier of a model's KV layout (runtime.engine.kv_tiers.HostTier, as the
-engine does), fills the pool with random bytes, and times storing `--pages` scattered pages to the
-host tier and loading them back into other device pages, checking that every byte came back. Beside
+engine does), fills the pool with random bytes, and times storing `--pages` pages to the host tier and
+loading them back into other device pages, checking that every byte came back: scattered pages (each a
+gather or scatter), then runs of pages in a row (each run a plain copy). Beside
 it, the card's plain pinned-memory copy rate in each direction, one contiguous buffer of the same
 bytes: what no page copy can beat. It reports GB/s, the bytes a cached token moves, and so the
 microseconds a hit token costs to load. The last line printed is one JSON object; --out writes it.
@@ -40,15 +41,24 @@ def _timed(run, device: torch.device, repeats: int) -> float:
     return best
 
 
-def measure(cfg: ModelConfig, pages: int, page_size: int, dtype: torch.dtype, device: torch.device, repeats: int) -> dict:
+def _page_lists(pages: int, scattered: bool) -> tuple[list[int], list[int], list[int]]:
+    """Device pages to store, the host pages they go to, and the device pages they load back into: a random
+    order on each side (as eviction may leave them), or runs of 64 pages in a row, the runs in a random order
+    (as the allocators hand a node's pages out)."""
+    generator = torch.Generator().manual_seed(0)
+    if scattered:
+        return tuple(torch.randperm(pages, generator=generator).tolist() for _ in range(3))  # pyright: ignore[reportReturnType]
+    runs = [[run * 64 + i for i in range(64)] for run in range(pages // 64)]
+    return tuple(sum((runs[i] for i in torch.randperm(len(runs), generator=generator).tolist()), []) for _ in range(3))  # pyright: ignore[reportReturnType]
+
+
+def measure(cfg: ModelConfig, pages: int, page_size: int, dtype: torch.dtype, device: torch.device, repeats: int, scattered: bool) -> dict:
     pool = KVPool(cfg.num_layers, 2 * pages + 1, page_size, cfg.num_kv_heads, cfg.head_dim, dtype, device)
     for layer in pool.kv:
         layer.view(torch.uint8).random_(0, 256)
     tier = HostTier(pool, pages, None, None)
-    generator = torch.Generator().manual_seed(0)
-    source = torch.randperm(pages, generator=generator).tolist()  # scattered, as eviction leaves them
-    host = torch.randperm(pages, generator=generator).tolist()
-    target = [pages + p for p in torch.randperm(pages, generator=generator).tolist()]
+    source, host, target = _page_lists(pages, scattered)
+    target = [pages + p for p in target]
     store = [KVMove("store", source, host, [bytes(16)] * len(host), bytes(16), 0, [0] * (len(host) * page_size))]
     load = [KVMove("load", target, host)]
     page_bytes = tier.page_bytes
@@ -64,6 +74,7 @@ def measure(cfg: ModelConfig, pages: int, page_size: int, dtype: torch.dtype, de
     load_rate = moved / load_s
     return {
         "pages": len(host),
+        "layout": "scattered" if scattered else "runs of 64",
         "page_bytes": page_bytes,
         "token_bytes": token_bytes,
         "bytes": moved,
@@ -94,7 +105,10 @@ def main(argv: list[str] | None = None) -> None:
         **provenance(),
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "model": args.model.name,
-        **measure(cfg, args.pages, args.page_size, getattr(torch, args.dtype), device, args.repeats),
+        "layouts": [
+            measure(cfg, args.pages, args.page_size, getattr(torch, args.dtype), device, args.repeats, scattered)
+            for scattered in (True, False)
+        ],
     }
     line = orjson.dumps(record).decode()
     print(line)

@@ -44,6 +44,7 @@ import numpy as np
 import orjson
 
 from benchmarks.provenance import provenance
+from benchmarks.serve import scrape
 from benchmarks.server import API_WORKERS, free_port, server_config, sse_events, start_server, stop_server, wait_healthy
 
 # User tokens are drawn from these ids: above the special tokens of SmolLM2 (0-16) and Mistral (below 1,000), below
@@ -155,9 +156,12 @@ async def drive(server: subprocess.Popen, launched: float, port: int, args: argp
         if args.fits_clients:  # the small load first, on its own conversations
             small = [user_turns(args.seed + 1, client, args.fits_rounds, args.user_tokens) for client in range(args.fits_clients)]
             fits = summarize(*await load(http, small, args), args.fits_clients, args.fits_rounds)
+        before = await scrape(http, "")
         turns, wall_s = await load(http, users, args)
+        after = await scrape(http, "")
         kv_tokens = (await server_info(http))["kv_tokens"]  # reported once the engines run
     figures = {"startup_s": round(startup_s, 1), **summarize(turns, wall_s, args.clients, args.rounds), "kv_pool_tokens": kv_tokens}
+    figures["server"] = server_times(before or {}, after or {})
     return figures | ({"fits": fits} if fits is not None else {}) | {"config": config}
 
 
@@ -178,6 +182,20 @@ async def load(http: aiohttp.ClientSession, users: list[list[list[int]]], args: 
     for task in done:
         task.result()  # a bug in the client, not a failed round: raised
     return turns, wall_s
+
+
+def server_times(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    """Where the server's time went over the load (its /metrics): steps, the tiers' copies, the requests' queueing."""
+    delta = lambda name: after.get(name, 0.0) - before.get(name, 0.0)  # noqa: E731
+    queued = delta("vllm:request_queue_time_seconds_count")
+    return {
+        "steps": int(delta("ringllm:step_duration_seconds_count")),
+        "step_s": round(delta("ringllm:step_duration_seconds_sum"), 2),
+        "tier_copy_runs": int(delta("ringllm:hicache_load_seconds_count")),
+        "tier_copy_s": round(delta("ringllm:hicache_load_seconds_sum"), 2),
+        "tier_moved_gb": round(delta("ringllm:hicache_moved_bytes_total") / 1e9, 2),
+        "queue_ms_mean": round(1e3 * delta("vllm:request_queue_time_seconds_sum") / queued, 1) if queued else None,
+    }
 
 
 def _ms(values: list[float], q: float | None = None) -> float | None:
@@ -273,6 +291,10 @@ def table(record: dict[str, Any]) -> str:
         ("wall (s)", [a["wall_s"] for a in arms]),
         ("KV pool (tokens)", [a["kv_pool_tokens"] for a in arms]),
         ("start-up (s)", [a["startup_s"] for a in arms]),
+        *(
+            (f"server: {key}", [a.get("server", {}).get(key) for a in arms])
+            for key in ("steps", "step_s", "tier_copy_s", "tier_moved_gb", "queue_ms_mean")
+        ),
     ]
     ratio_rows = list(_RATIO_ROWS)
     if "fits" in arms[0]:  # the small load's figures, then its throughput's ratio

@@ -720,44 +720,43 @@ def test_fp8_kv_cache_on_cuda_gives_the_tokens_of_torch_attention_over_it(tmp_pa
     assert_same_greedy_tokens(reference, graphs, "FP8 pages in CUDA graphs", most=4)
 
 
-@pytest.mark.parametrize("copier", ["sgl-kernel", "torch"])
-def test_tier_copies_wait_for_the_forward_before_them_and_each_layer_waits_for_its_own(copier, monkeypatch):
+@pytest.mark.parametrize("scattered", ["sgl-kernel", "torch"])
+def test_tier_copies_wait_for_the_forward_before_them_and_each_layer_waits_for_its_own(scattered, monkeypatch):
     """The copy stream's stores read what the device's stream wrote before them, though that was slow to come;
-    a load's layer is in the pool once the device's stream has waited for it."""
+    a load's layer is in the pool once the device's stream has waited for it. Pages in a row and pages apart."""
     from runtime.engine import kv_tiers
     from runtime.step import KVMove
 
-    if copier == "torch":
+    if scattered == "torch":
         monkeypatch.setattr(kv_tiers, "_sgl_copier", lambda: None)
     elif kv_tiers._sgl_copier() is None:  # pyright: ignore[reportPrivateUsage]
         pytest.skip("sgl-kernel's page transfer is not installed")
-    layers, pages = 4, 8
+    layers = 4
+    device_pages, host_pages, loaded = [*range(8), 20, 23, 26], [*range(10, 18), 30, 33, 36], [*range(40, 48), 50, 52, 54]
     pool = KVPool(layers, 64, PAGE, 8, HEAD_DIM, torch.bfloat16, torch.device("cuda"))
-    tier = kv_tiers.HostTier(pool, 32, None, None)
-    assert tier.copies == copier
-    late = [torch.randn_like(pool.kv[layer][:pages]) for layer in range(layers)]
+    tier = kv_tiers.HostTier(pool, 40, None, None)
+    assert tier.copies == f"runs + {scattered}"
+    late = [torch.randn_like(pool.kv[layer][device_pages]) for layer in range(layers)]
     busy = torch.randn(4096, 4096, device="cuda")
     torch.cuda.synchronize()
     for _ in range(20):  # the device's stream is still busy when the copies are queued
         busy = busy @ busy / 64
     for layer in range(layers):
-        pool.kv[layer][:pages] = late[layer]
-    keys = [bytes([page]) * 16 for page in range(pages)]
-    store = KVMove("store", list(range(pages)), list(range(10, 10 + pages)), keys, bytes(16), 0, [7] * pages * PAGE)
-    tier.run([store])
-    load = KVMove("load", list(range(40, 40 + pages)), list(range(10, 10 + pages)))
-    waits = tier.run([load])
+        pool.kv[layer][device_pages] = late[layer]
+    keys = [bytes([page]) * 16 for page in device_pages]
+    tier.run([KVMove("store", device_pages, host_pages, keys, bytes(16), 0, [7] * len(keys) * PAGE)])
+    waits = tier.run([KVMove("load", loaded, host_pages)])
     assert waits is not None
     landed = []
     for layer in range(layers):
         waits.layer(layer)
-        landed.append(pool.kv[layer][40 : 40 + pages].clone())
+        landed.append(pool.kv[layer][loaded].clone())
     torch.cuda.synchronize()
     for layer in range(layers):
-        assert torch.equal(tier.pool.kv[layer][10 : 10 + pages], late[layer].cpu())
+        assert torch.equal(tier.pool.kv[layer][host_pages], late[layer].cpu())
         assert torch.equal(landed[layer], late[layer])
     tier.finish_stores(wait=True)
-    assert tier.index.valid[10 : 10 + pages].all() and not tier.index.valid[:10].any()
+    assert tier.index.valid[host_pages].all() and tier.index.valid.sum() == len(host_pages)
 
 
 def test_the_host_tier_on_cuda_changes_no_token(tmp_path):

@@ -113,6 +113,26 @@ def test_an_engine_that_dies_with_moves_in_flight_leaves_no_wrong_page(tiny_mode
     assert answers == uncached
 
 
+def test_pages_in_a_row_move_as_one_copy_and_pages_apart_one_by_one():
+    from runtime.attention.pool import KVPool
+    from runtime.engine.kv_tiers import HostTier, page_runs
+    from runtime.step import KVMove
+
+    assert page_runs([3, 4, 5, 9, 10, 1], [7, 8, 9, 2, 3, 0]) == [(3, 7, 3), (9, 2, 2), (1, 0, 1)]
+    pool = KVPool(2, 40, 4, 2, 8, torch.float32, torch.device("cpu"))
+    for layer in pool.kv:
+        layer.normal_()
+    tier = HostTier(pool, 24, None, None)
+    device, host, back = [*range(6), 10, 13, 14], [*range(2, 8), 20, 1, 12], [*range(30, 36), 21, 25, 29]
+    keys = [bytes([page]) * 16 for page in device]
+    tier.run([KVMove("store", device, host, keys, bytes(16), 0, [5] * len(keys) * 4)])
+    assert tier.run([KVMove("load", back, host)]) is None  # on CPU the copies have run
+    for layer in pool.kv:
+        assert torch.equal(layer[back], layer[device])
+    assert tier.index.valid[host].all() and tier.index.valid.sum() == len(host)
+    assert tier.take_stats()[0]["host_to_device"] == len(host) * tier.page_bytes
+
+
 def test_the_tier_flags_are_checked():
     from runtime.config import EngineConfig
 

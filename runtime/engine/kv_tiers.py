@@ -3,9 +3,10 @@ the moves a plan carries between the device, the host tier and disk (runtime.ste
 
 The host tier is the device pool's layout (runtime.attention.pool.KVPool) in host memory: a segment the
 keeper holds (actors.keeper), so that it outlives the engine, or the engine's own. On CUDA it is pinned,
-and the copies run on a stream of their own, layer by layer, with sgl-kernel's page-transfer kernels where
-they are installed (one gather or scatter a layer, reading or writing host memory directly), else with
-torch's indexing; the step's forward waits for a layer's copies just before that layer, as SGLang's
+and the copies run on a stream of their own, layer by layer: stretches of pages in a row as one copy
+each (the copy engines', beside the forward's kernels), the pages between them with sgl-kernel's
+page-transfer kernels where they are installed (one gather or scatter a layer, reading or writing host
+memory directly), else with torch's indexing; the step's forward waits for a layer's copies just before that layer, as SGLang's
 HiCache does. On CPU they are torch's indexing, run before the forward.
 
 Ahead of the pages lies the index: what each host page holds (its chain key, the key before it, its place in
@@ -79,8 +80,8 @@ class HostTier:
         self.page_bytes = page_bytes
         cuda = pool.device.type == "cuda"
         sgl = _sgl_copier() if cuda else None
-        self._copier: Copier = sgl or TorchCopier()
-        self.copies = "sgl-kernel" if sgl is not None else "torch"  # what moves the pages
+        self._copier = RunCopier(sgl or TorchCopier())
+        self.copies = "runs + sgl-kernel" if sgl is not None else "runs + torch"  # what moves the pages
         self._stream = torch.cuda.Stream(pool.device) if cuda else None  # CUDA: the copies' own
         self._unfinished: deque[tuple[torch.cuda.Event, list[int]]] = deque()  # CUDA: stores queued, by the event after them
         self.moved_bytes = {"device_to_host": 0, "host_to_device": 0, "host_to_disk": 0, "disk_to_host": 0}
@@ -256,6 +257,45 @@ class TorchCopier:
         def copy(layer: int) -> None:
             pages = source.kv[layer].view(torch.uint8).index_select(0, src).to(target.device, non_blocking=target.device.type != "cpu")
             target.kv[layer].view(torch.uint8).index_copy_(0, dst, pages)
+
+        return copy
+
+
+MIN_RUN = 4  # pages in a row on both sides worth a copy of their own; shorter stretches are gathered and scattered
+
+
+def page_runs(from_pages: list[int], to_pages: list[int]) -> list[tuple[int, int, int]]:
+    """(first source page, first target page, pages) of each stretch where both sides count up by one."""
+    runs: list[list[int]] = []
+    for src, dst in zip(from_pages, to_pages):
+        if runs and src == runs[-1][0] + runs[-1][2] and dst == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([src, dst, 1])
+    return [(src, dst, count) for src, dst, count in runs]
+
+
+class RunCopier:
+    """Each stretch of at least MIN_RUN pages in a row on both sides as one copy a layer (a page's K and V of a
+    layer lie together, so a stretch is one block of bytes): on CUDA a cudaMemcpyAsync, which the copy engines run
+    beside the forward's kernels; the pages between them with `scattered`, one gather and scatter a layer. The
+    allocators hand out pages in order (runtime.scheduler.pages), so a node's pages mostly lie in stretches."""
+
+    def __init__(self, scattered: Copier) -> None:
+        self.scattered = scattered
+
+    def prepare(self, source: KVPool, from_pages: list[int], target: KVPool, to_pages: list[int]) -> LayerCopy:
+        runs = page_runs(from_pages, to_pages)
+        whole = [run for run in runs if run[2] >= MIN_RUN]
+        short = [(src + i, dst + i) for src, dst, count in runs if count < MIN_RUN for i in range(count)]
+        rest = self.scattered.prepare(source, [s for s, _ in short], target, [d for _, d in short]) if short else None
+
+        def copy(layer: int) -> None:
+            src, dst = source.kv[layer], target.kv[layer]
+            for first, to, count in whole:
+                dst[to : to + count].copy_(src[first : first + count], non_blocking=True)
+            if rest is not None:
+                rest(layer)
 
         return copy
 

@@ -18,7 +18,7 @@ class PageAllocator:
     def alloc(self, count: int) -> list[int] | None:
         if count > len(self._free):
             return None
-        pages = [self._free.pop() for _ in range(count)]
+        pages = sorted(self._free.pop() for _ in range(count))  # in order: the KV tiers copy pages in a row at once
         for page in pages:
             self._in_use[page] = 1
         return pages
