@@ -104,6 +104,8 @@ class EngineActor(Actor):
         self.in_flight: deque[InFlight] = deque()
         self.last_done = 0.0
         self.m_step_duration = metrics().step_duration.labels(str(replica))
+        self.m_spec_verify = metrics().spec_verify.labels(str(replica))
+        self.m_spec_accept = metrics().spec_accept_length.labels(str(replica))
         self.m_tier_bytes, self.m_tier_load = metrics().tier_bytes, metrics().tier_load.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
 
@@ -194,6 +196,11 @@ class EngineActor(Actor):
             now = time.monotonic()
             duration = now - max(done.launched, self.last_done)
             self.m_step_duration.observe(duration)
+            if done.pending.drafts:
+                self.m_spec_verify.observe(duration)
+                for gave in self.engine.speculation.gave:
+                    self.m_spec_accept.observe(gave)
+                self.engine.speculation.gave.clear()
             log.debug(
                 "step",
                 step=done.step,

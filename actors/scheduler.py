@@ -155,6 +155,7 @@ class SchedulerActor(Actor):
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
         self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
         self.m_tier_hits = {tier: m.tier_hits.labels(*labels, tier) for tier in TIER_NAMES}
+        self.m_spec_draft = m.spec_draft.labels(*labels)
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
@@ -407,8 +408,16 @@ class SchedulerActor(Actor):
             if request.finish_reason is not None:
                 self._on_finished(request)
             if request.finish_reason != "abort" and with_token:
-                item.token_ids = [request.output_ids[-1]]
-                if request.params.logprobs is not None:
+                fresh = max(request.fresh, 1)  # a speculative step gives several
+                item.token_ids = request.output_ids[-fresh:]
+                if request.params.logprobs is not None and fresh > 1:  # an item a token, each with its log-probabilities
+                    tops = [list(top.items()) for top in request.logprobs[-fresh:]]
+                    items = [TokenItem(request.rid, None, [token], top) for token, top in zip(item.token_ids[:-1], tops)]
+                    items[0].announce, items[0].prompt_logprobs = item.announce, item.prompt_logprobs
+                    item.announce, item.prompt_logprobs = None, None
+                    item.token_ids, item.logprobs = item.token_ids[-1:], tops[-1]
+                    step_items += items
+                elif request.params.logprobs is not None:
                     item.logprobs = list(request.logprobs[-1].items())
             step_items.append(item)
         for items in _in_frames([(item, _item_bytes(item)) for item in step_items]):
@@ -425,6 +434,9 @@ class SchedulerActor(Actor):
             if tokens > self.counted_hits[tier]:
                 self.m_tier_hits[tier].inc(tokens - self.counted_hits[tier])
                 self.counted_hits[tier] = tokens
+        if self.core.draft_seconds:
+            self.m_spec_draft.inc(self.core.draft_seconds)
+            self.core.draft_seconds = 0.0
         now = time.monotonic()
         for request in self.core.admitted:
             if (timeline := self.timelines.get(request.rid)) is None:

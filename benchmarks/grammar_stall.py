@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -31,7 +30,7 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from benchmarks.provenance import provenance
+from benchmarks.provenance import machine, provenance
 from benchmarks.server import free_port, server_config, start_server, steady_stream, stop_server, wait_healthy
 from runtime.structured.grammars import build_grammar
 
@@ -53,14 +52,6 @@ async def _guided(http: aiohttp.ClientSession, index: int, depth: int, answers: 
         answer = await reply.json(loads=orjson.loads)
     error = answer.get("error", {}).get("message") if reply.status != 200 else None
     answers.append({"status": reply.status, "sent": sent, "answered": time.monotonic(), "error": error})
-
-
-def _cpu_name() -> str:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or platform.machine()
-    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), platform.machine())
 
 
 def _ms(seconds: float) -> int:
@@ -118,7 +109,7 @@ async def _run(args: argparse.Namespace) -> dict:
     refused = [a for a in answers if a["status"] != 200]
     return {
         **provenance(),
-        "machine": f"{_cpu_name()}, {os.cpu_count()} cores",
+        "machine": machine(),
         "command": "python -m benchmarks.grammar_stall " + " ".join(args.argv),
         "streams": args.streams,
         "grammars": args.grammars,

@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
-import platform
 import shlex
 import subprocess
 import sys
@@ -43,7 +41,7 @@ import aiohttp
 import numpy as np
 import orjson
 
-from benchmarks.provenance import provenance
+from benchmarks.provenance import machine, provenance
 from benchmarks.serve import scrape
 from benchmarks.server import API_WORKERS, free_port, server_config, sse_events, start_server, stop_server, wait_healthy
 
@@ -313,23 +311,6 @@ def table(record: dict[str, Any]) -> str:
         f"tokens; final contexts: {load['context_tokens']:,} tokens in all"
     )
     return "\n".join([head, *("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in cells)])
-
-
-def machine(device: str) -> str:
-    """The processor and its cores, and on CUDA the first GPU's name (nvidia-smi's: this client makes no CUDA context)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
-    except (OSError, StopIteration):
-        cpu = platform.machine()
-    if not device.startswith("cuda"):
-        return f"{cpu}, {os.cpu_count()} cores"
-    try:
-        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
-        gpu = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
-    except (OSError, subprocess.SubprocessError, IndexError):
-        gpu = "a GPU nvidia-smi did not name"
-    return f"{cpu}, {os.cpu_count()} cores, {gpu}"
 
 
 def _arm(text: str) -> tuple[str, str]:

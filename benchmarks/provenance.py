@@ -4,6 +4,8 @@ built from records can name both."""
 from __future__ import annotations
 
 import datetime
+import os
+import platform
 import subprocess
 from pathlib import Path
 
@@ -22,3 +24,20 @@ def commit() -> str | None:
 
 def provenance() -> dict[str, str | None]:
     return {"date": datetime.date.today().isoformat(), "commit": commit()}
+
+
+def machine(device: str = "cpu") -> str:
+    """The processor and its cores, and on CUDA the first GPU's name (nvidia-smi's: the caller makes no CUDA context)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        cpu = next(line.split(":", 1)[1].strip() for line in lines if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or platform.machine()
+    if not device.startswith("cuda"):
+        return f"{cpu}, {os.cpu_count()} cores"
+    try:
+        query = ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"]
+        gpu = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.splitlines()[0]
+    except (OSError, subprocess.SubprocessError, IndexError):
+        gpu = "a GPU nvidia-smi did not name"
+    return f"{cpu}, {os.cpu_count()} cores, {gpu}"

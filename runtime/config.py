@@ -12,6 +12,8 @@ import structlog
 from runtime.cli_args import CliConfig, flag
 from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+
 log = structlog.get_logger()
 
 
@@ -214,6 +216,20 @@ class EngineConfig(CliConfig):
     hicache_storage_dir: str | None = field(
         default=None, metadata=flag("where the file tier keeps its pages (default: RINGLLM_CACHE/hicache)", metavar="DIR")
     )
+    # SGLang's speculative decoding flags (runtime.scheduler.ngram drafts; runtime.engine verifies)
+    speculative_algorithm: str | None = field(
+        default=None,
+        metadata=flag(
+            "speculative decoding: NGRAM drafts the tokens that followed the latest earlier match of the sequence's "
+            "last tokens (prompt lookup); a step verifies the draft and keeps what the model itself gives",
+            choices=SPECULATIVE_ALGORITHMS,
+        ),
+    )
+    speculative_num_draft_tokens: int = field(default=4, metadata=flag("draft tokens a step verifies (a step gives up to one more)"))
+    speculative_ngram_min_match_window_size: int = field(default=1, metadata=flag("NGRAM: the fewest last tokens a match takes"))
+    speculative_ngram_max_match_window_size: int = field(
+        default=12, metadata=flag("NGRAM: the most last tokens a match takes (the longest match wins)")
+    )
     schedule_policy: str = field(
         default="fcfs",
         metadata=flag(
@@ -306,6 +322,8 @@ class EngineConfig(CliConfig):
             "cuda_graph_max_prefill_tokens": 0,
             "steps_in_flight": 1,
             "tensor_parallel_size": 1,
+            "speculative_num_draft_tokens": 1,
+            "speculative_ngram_min_match_window_size": 1,
         }
         for name, least in at_least.items():
             value = getattr(self, name)
@@ -325,6 +343,10 @@ class EngineConfig(CliConfig):
             raise ValueError(f"hicache_storage_backend must be one of {STORAGE_BACKENDS} or none, not {self.hicache_storage_backend!r}")
         if self.hicache_write_policy not in WRITE_POLICIES:
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, not {self.hicache_write_policy!r}")
+        if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
+            raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or none, not {self.speculative_algorithm!r}")
+        if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
+            raise ValueError("speculative_ngram_max_match_window_size must be at least speculative_ngram_min_match_window_size")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be more than 0 seconds, not {self.grammar_compile_timeout}")
         if not 0 < self.mem_fraction <= 1:

@@ -1,5 +1,6 @@
 """The step protocol between scheduler and engine: the engine keeps per-slot state, and only deltas
-travel (new slots, pages, chunks, decodes, freed slots; back, one sampled token per finished input)."""
+travel (new slots, pages, chunks, decodes, freed slots; back, one sampled token per finished input, or
+per kept draft token and one more after a speculative chunk)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ class Chunk:
     slot: int
     token_ids: list[int]  # fed at the slot's current length onwards
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
+    drafts: int = 0  # its last tokens are a speculative draft: sample after each, keep the draft as far as it matches
 
 
 @dataclass(frozen=True)
@@ -90,7 +92,7 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "decodes": plan.decodes,
         "new": [[n.slot, n.rid, n.params.to_dict(), n.seed, len(n.prompt_ids), len(n.output_ids), n.cached] for n in plan.new_slots],
         "pages": [[slot, len(pages)] for slot, pages in plan.pages],
-        "chunks": [[c.slot, len(c.token_ids), c.sample] for c in plan.chunks],
+        "chunks": [[c.slot, len(c.token_ids), c.sample, c.drafts] for c in plan.chunks],
         "resync": plan.resync,
         "moves": [
             [m.kind, len(m.device), len(m.host), [k.hex() for k in m.keys], m.parent.hex(), m.position, len(m.tokens)] for m in plan.moves
@@ -116,8 +118,8 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
         plan.pages.append((slot, pages[at : at + count]))
         at += count
     at = 0
-    for slot, count, sample in meta["chunks"]:
-        plan.chunks.append(Chunk(slot, tokens[at : at + count], sample))
+    for slot, count, sample, drafts in meta["chunks"]:
+        plan.chunks.append(Chunk(slot, tokens[at : at + count], sample, drafts))
         at += count
     at = 0
     for kind, devices, hosts, keys, parent, position, tokens_moved in meta["moves"]:
@@ -129,16 +131,17 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
 
 
 def results_to_wire(step: int, results: list[Sampled]) -> tuple[dict, list[list[int]]]:
-    logprobs = [[r.slot, list(r.logprobs.items())] for r in results if r.logprobs is not None]
-    prompt_logprobs = [[r.slot, r.prompt_logprobs] for r in results if r.prompt_logprobs is not None]
-    errors = [[r.slot, r.error] for r in results if r.error is not None]
+    """Extras by the result's index: a slot has several results after a speculative chunk."""
+    logprobs = [[i, list(r.logprobs.items())] for i, r in enumerate(results) if r.logprobs is not None]
+    prompt_logprobs = [[i, r.prompt_logprobs] for i, r in enumerate(results) if r.prompt_logprobs is not None]
+    errors = [[i, r.error] for i, r in enumerate(results) if r.error is not None]
     meta = {"step": step, "logprobs": logprobs, "prompt_logprobs": prompt_logprobs, "errors": errors}
     return meta, [[r.slot for r in results], [r.token for r in results]]
 
 
 def results_from_wire(meta: dict, arrays: list) -> list[Sampled]:
-    logprobs = {slot: {int(t): lp for t, lp in pairs} for slot, pairs in meta["logprobs"]}
+    logprobs = {i: {int(t): lp for t, lp in pairs} for i, pairs in meta["logprobs"]}
     prompts = dict(meta["prompt_logprobs"])  # each position as it came off the wire: [log-probability, rank, [[id, value]...]]
     errors = dict(meta["errors"])
     slots, tokens = arrays[0].tolist(), arrays[1].tolist()
-    return [Sampled(slot, token, logprobs.get(slot), prompts.get(slot), errors.get(slot)) for slot, token in zip(slots, tokens)]
+    return [Sampled(slot, token, logprobs.get(i), prompts.get(i), errors.get(i)) for i, (slot, token) in enumerate(zip(slots, tokens))]

@@ -42,6 +42,10 @@ ENGINE = {
     "kv_cache_dtype": "fp8_e4m3",
     "quantization": "fp8",
     "grammar_compile_timeout": 2.5,
+    "speculative_algorithm": "NGRAM",
+    "speculative_num_draft_tokens": 6,
+    "speculative_ngram_min_match_window_size": 2,
+    "speculative_ngram_max_match_window_size": 5,
 }
 # deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool;
 # KV tiers: one rank, over the prefix cache

@@ -87,6 +87,8 @@ class PendingStep:
     done: torch.cuda.Event | None
     prompt_logprobs: dict[int, PromptLogprobs] = field(default_factory=dict)  # by row: a first draw's prompt, on the host
     errors: dict[int, str] = field(default_factory=dict)  # by slot: why its grammar allowed no token (the draw is void)
+    drafts: list[DraftRows] = field(default_factory=list)  # the speculative chunks' rows, checked as they are read
+    on_draft: Callable[[DraftRows, int], None] | None = None  # told each draft's kept length once read
     _results: list[Sampled] | None = field(default=None)
 
     @property
@@ -103,12 +105,42 @@ class PendingStep:
                 self.done.synchronize()
             tokens = self.host_tokens.tolist()
             logprobs = logprob_dicts(self.sample, self.rows, tokens) if self.sample else []
-            for state, token in zip(self.states, tokens):
-                state.output_ids.append(token)
+            dropped: set[int] = set()
+            for draft in self.drafts:  # a draft holds as far as each of its tokens is the one drawn before it
+                kept = next((i for i, token in enumerate(draft.tokens) if tokens[draft.first + i] != token), len(draft.tokens))
+                dropped.update(range(draft.first + kept + 1, draft.first + len(draft.tokens) + 1))
+                assert self.on_draft is not None  # set with drafts
+                self.on_draft(draft, kept)
+            for i, (state, token) in enumerate(zip(self.states, tokens)):
+                if i not in dropped:
+                    state.output_ids.append(token)
             prompts = {i: p.rows() for i, p in self.prompt_logprobs.items()}
             rows = enumerate(zip(self.slots, tokens, logprobs))
-            self._results = [Sampled(slot, token, lp, prompts.get(i), self.errors.get(slot)) for i, (slot, token, lp) in rows]
+            self._results = [
+                Sampled(slot, token, lp, prompts.get(i), self.errors.get(slot)) for i, (slot, token, lp) in rows if i not in dropped
+            ]
         return self._results
+
+
+@dataclass(frozen=True)
+class DraftRows:
+    """A speculative chunk's draws: rows first.. of its step, one after the last known token and one after each
+    draft token."""
+
+    first: int
+    slot: int
+    tokens: list[int]
+    state: SlotState
+
+
+@dataclass
+class SpecStats:
+    """Speculative chunks read so far: how many, their draft tokens, and the draft tokens kept."""
+
+    steps: int = 0
+    drafted: int = 0
+    kept: int = 0
+    gave: list[int] = field(default_factory=list)  # tokens each verify gave a slot, until taken (the metrics')
 
 
 @dataclass(slots=True)
@@ -122,10 +154,11 @@ class HostStep:
     kv_rows: np.ndarray  # int64 [tokens, 2]: where each row's K and V go (batch.kv_rows)
     meta: AttentionMeta
     decodes: np.ndarray  # int64: the decodes' slots
-    sampled: list[int]  # the sequences that sample (a chunk that ends its prompt, every decode)
+    sample_rows: np.ndarray  # int64: the rows that sample (a chunk's last, or a draft's and the one before; every decode)
     sample_slots: np.ndarray  # int64: their slots
     states: list[SlotState]
     rows: list[SampleRow]
+    drafts: list[DraftRows]
 
 
 class Engine:
@@ -146,6 +179,7 @@ class Engine:
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
+        self.speculation = SpecStats()
         # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
         phases: dict[str, Callable[[], None]] = {
             "weights": lambda: self._load_weights(model_dir),
@@ -387,25 +421,55 @@ class Engine:
         kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
         meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32), kv_lens.astype(np.int32))
 
-        sampled = [i for i, c in enumerate(plan.chunks) if c.sample] + list(range(len(chunk_slots), len(seq_slots)))
-        sample_slots = seq_slots[sampled]
-        states = [self.slots[s] for s in sample_slots.tolist()]
-        rows = [state.row() for state in states]
+        sample_rows, sample_slots, states, rows, drafts = [], [], [], [], []
+        for i, chunk in enumerate(plan.chunks):
+            if not chunk.sample:
+                continue
+            state, first = self.slots[chunk.slot], int(qo_indptr[i + 1]) - 1 - chunk.drafts
+            if chunk.drafts:  # a draw after the last known token and after each draft token, as decodes would draw them
+                draft = chunk.token_ids[-chunk.drafts :]
+                drafts.append(DraftRows(len(rows), chunk.slot, draft, state))
+                position = len(state.prompt_ids) + state.sampled
+                for j in range(chunk.drafts + 1):
+                    rows.append(SampleRow(state.params, state.seed, position + j, state.prompt_ids, state.output_ids + draft[:j]))
+            else:
+                rows.append(state.row())
+            sample_rows += range(first, first + chunk.drafts + 1)
+            sample_slots += [chunk.slot] * (chunk.drafts + 1)
+            states += [state] * (chunk.drafts + 1)
+        for slot in plan.decodes:
+            states.append(state := self.slots[slot])
+            rows.append(state.row())
+        sample_rows += (qo_indptr[len(chunk_slots) + 1 :] - 1).tolist()
+        sample_slots += plan.decodes
         decodes = np.array(plan.decodes, dtype=np.int64)
-        return HostStep(tokens, seq_slots, qo_indptr, positions, kv_dest, meta, decodes, sampled, sample_slots, states, rows)
+        return HostStep(
+            tokens,
+            seq_slots,
+            qo_indptr,
+            positions,
+            kv_dest,
+            meta,
+            decodes,
+            np.array(sample_rows, dtype=np.int64),
+            np.array(sample_slots, dtype=np.int64),
+            states,
+            rows,
+            drafts,
+        )
 
     def _forward(self, plan: StepPlan, step: HostStep, waits: LayerWaits | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Queues the forward: a decode graph (decode-only steps it fits), a prefill graph, or eager; a graph
         after the tiers' copies, an eager forward layer by layer as they land (`waits`). Returns the logits of
         the sampling rows (None where none samples) and, from a decode graph, their slots on the device."""
-        tokens, decodes, sampled = step.tokens, step.decodes, step.sampled
+        tokens, decodes, sampled = step.tokens, step.decodes, len(step.sample_rows)
         if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):  # every row samples
             if waits is not None:
                 waits.all()
             return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
         # alignment and strides at every step, so no step compiles a new variant of it
-        host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.positions, decodes, step.qo_indptr[1:][sampled] - 1]))
+        host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.positions, decodes, step.sample_rows]))
         input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
         n_chunk = tokens - len(decodes)
         if n_chunk:
@@ -451,12 +515,27 @@ class Engine:
             slots, outputs = step.sample_slots.tolist(), [state.output_ids for state in step.states]
             constrain = functools.partial(self._masked, slots=slots, outputs=outputs)
         drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain, self.block_rows)
+        drafting = {id(draft.state) for draft in step.drafts}
         for state in step.states:
-            state.sampled += 1
+            if id(state) not in drafting:  # a draft's slot counts its draws once they are read (PendingStep.result)
+                state.sampled += 1
         pending = self._pending(step.states, step.sample_slots.tolist(), step.rows, drawn, host)
+        if step.drafts:
+            pending.drafts, pending.on_draft = step.drafts, self._kept
         if constrained:
             pending.errors = self.grammars.take_errors()
         return pending
+
+    def _kept(self, draft: DraftRows, kept: int) -> None:
+        """A draft's first `kept` tokens held: its slot counts their draws and the one after, and its length (past
+        every draft token's KV) steps back over the rest, whose KV the next chunk overwrites."""
+        draft.state.sampled += kept + 1
+        if self.slots.get(draft.slot) is draft.state:  # not a slot freed and opened again meanwhile
+            self.lengths[draft.slot] -= len(draft.tokens) - kept
+        self.speculation.steps += 1
+        self.speculation.drafted += len(draft.tokens)
+        self.speculation.kept += kept
+        self.speculation.gave.append(kept + 1)
 
     def _masked(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
         started = time.perf_counter()

@@ -98,6 +98,16 @@ class Metrics:
             ("replica",),
             buckets=STEP_BUCKETS,
         )
+        self.spec_accept_length = Histogram(
+            "ringllm:spec_accept_length",
+            "Tokens one speculative verify step gave a request: the draft tokens kept, and the one after them.",
+            ("replica",),
+            buckets=(1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16),
+        )
+        self.spec_verify = Histogram(
+            "ringllm:spec_verify_seconds", "Device time of a step that verified drafts.", ("replica",), buckets=STEP_BUCKETS
+        )
+        self.spec_draft = Counter("ringllm:spec_draft_seconds", "Scheduler time spent drafting (NGRAM lookups).", replica)
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch.", replica, multiprocess_mode="mostrecent")
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting to be scheduled.", replica, multiprocess_mode="mostrecent")
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Share of KV pages in use (1 = full).", replica, multiprocess_mode="mostrecent")

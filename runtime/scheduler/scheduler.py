@@ -4,6 +4,7 @@ cache and preemption. Pure Python: it plans steps and never touches a tensor."""
 from __future__ import annotations
 
 import random
+import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -11,6 +12,7 @@ from pathlib import Path
 
 from runtime.config import EngineConfig
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler.ngram import ngram_draft
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
 from runtime.scheduler.tiers import TIER_NAMES, Tiers
@@ -43,6 +45,7 @@ class Request:
     admitted_step: int = 0  # results of earlier steps for its slot belonged to someone else
     pin: bool = False  # a prefix warm-up: its prompt's whole pages stay cached until unpin_prefixes
     compiling: bool = False  # its grammar is compiling (runtime.structured.masks): it is not admitted yet
+    fresh: int = 0  # tokens the latest update gave it (a speculative step gives several)
 
     @property
     def tokens(self) -> list[int]:
@@ -69,6 +72,9 @@ class Scheduler:
             tiers = Tiers(PageAllocator(host_pages), config.hicache_write_policy == "write_through", disk)
         self.cache = RadixCache(self.allocator, config.page_size, tiers) if config.enable_prefix_cache else None
         self.tier_hits = dict.fromkeys(TIER_NAMES, 0)  # prompt tokens found in each tier at admission
+        # speculative decoding: a request is fed its last token and a draft once its step before has answered
+        self.speculative = config.speculative_algorithm is not None
+        self.draft_seconds = 0.0  # spent drafting, in all
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_position = max_position
         self.waiting: deque[Request] = deque()
@@ -146,9 +152,10 @@ class Scheduler:
                 continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
             prefilling = not request.decoding
             count = min(len(request.tokens) - request.computed, budget) if prefilling else 1
-            if count and self._grow(request, count, plan):
-                self._feed(request, count, plan)
-                budget -= count if prefilling else 0
+            drafts = self._draft(request, count) if prefilling and count else []
+            if count and self._grow(request, count + len(drafts), plan):
+                self._feed(request, count, plan, drafts)
+                budget -= count + len(drafts) if prefilling else 0
         history = 0
         for request in list(self.waiting):
             if budget <= 0 or not self._free_slots:
@@ -228,7 +235,7 @@ class Scheduler:
             if request.params.prompt_logprobs is not None and not request.output_ids:
                 request.confirmed = 0  # the prompt's log-probabilities so far died with the engine: its prompt runs again
             request.computed = request.confirmed
-            request.decoding = bool(request.output_ids) and request.confirmed == len(request.tokens) - 1
+            request.decoding = bool(request.output_ids) and request.confirmed == len(request.tokens) - 1 and not self.speculative
         self._resync = True
 
     @staticmethod
@@ -244,16 +251,39 @@ class Scheduler:
         assert request.params.max_tokens is not None  # add() fills it in
         return drawn >= request.params.max_tokens or request.computed + 1 >= self.max_position
 
-    def _feed(self, request: Request, count: int, plan: StepPlan) -> None:
+    def _draft(self, request: Request, count: int) -> list[int]:
+        """A speculative draft after the request's `count` next tokens, where they end what it knows and it is
+        decoding: as many as fit its length, the context and the pool. None for a grammar's request (its masks
+        follow the tokens drawn)."""
+        if not self.speculative or request.computed + count != len(request.tokens) or not request.output_ids:
+            return []
+        params, cfg = request.params, self.config
+        assert params.max_tokens is not None  # add() fills it in
+        room = min(
+            cfg.speculative_num_draft_tokens,
+            params.max_tokens - len(request.output_ids) - 1,  # the step also gives the token after the draft
+            self.max_position - len(request.tokens) - 1,
+            self.allocator.num_pages * self.page_size - len(request.tokens),
+        )
+        if room <= 0 or params.guide is not None:
+            return []
+        started = time.perf_counter()
+        draft = ngram_draft(request.tokens, room, cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
+        self.draft_seconds += time.perf_counter() - started
+        return draft
+
+    def _feed(self, request: Request, count: int, plan: StepPlan, drafts: Sequence[int] = ()) -> None:
+        """`drafts`: verified after the chunk (Chunk.drafts); their KV counts only as far as the model keeps them,
+        and the request is fed again once the step has answered."""
         assert request.slot is not None  # only running requests are fed
         if request.decoding:
             plan.decodes.append(request.slot)
         else:
             start = request.computed
             sample = start + count == len(request.tokens)
-            plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count], sample))
+            plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count] + list(drafts), sample, len(drafts)))
             self._chunk_ends.setdefault(plan.step, []).append((request, start + count))
-            request.decoding = sample
+            request.decoding = sample and not self.speculative
         request.computed += count
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
@@ -350,24 +380,29 @@ class Scheduler:
         request.pages, request.shared_pages, request.prefix, request.computed, request.confirmed = [], 0, None, 0, 0
 
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
-        """Record `step`'s tokens; returns the requests that got one."""
+        """Record `step`'s tokens (a slot's in order, several after a speculative chunk); returns the requests
+        that got any, each once, with `fresh` set to how many."""
         if self.cache is not None:
             self.cache.answered(step)
         for request, end in self._chunk_ends.pop(step, ()):
             if request.slot is not None and request.admitted_step <= step:
                 request.confirmed = max(request.confirmed, end)
-        advanced = []
+        advanced: dict[int, Request] = {}
         for result in results:
             request = self._by_slot.get(result.slot)
             if request is None or request.admitted_step > step:
                 continue  # the slot's request finished or was preempted after this step was planned
+            if request.rid not in advanced:
+                request.fresh, advanced[request.rid] = 0, request
             if result.error is not None:  # the draw is void: the request ends with the engine's error
                 request.error, request.finish_reason = result.error, "abort"
                 self._finish(request)
-                advanced.append(request)
                 continue
             request.output_ids.append(result.token)
+            request.fresh += 1
             request.confirmed = len(request.tokens) - 1  # every token before the one just drawn has its KV
+            if self.speculative:  # a draft's rejected tokens' KV is void: the next chunk starts at the last token
+                request.computed = request.confirmed
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
             if request.prompt_logprobs is None and request.params.prompt_logprobs is not None:
@@ -376,8 +411,7 @@ class Scheduler:
             if reason := self._finish_reason(request, result.token):
                 request.finish_reason = reason
                 self._finish(request)
-            advanced.append(request)
-        return advanced
+        return list(advanced.values())
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params

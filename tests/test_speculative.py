@@ -1,0 +1,116 @@
+"""Speculative decoding (--speculative-algorithm NGRAM): drafts from the sequence's own earlier tokens, verified
+in one forward, change no token. Greedy and seeded output equal plain decoding's, since a seeded draw is keyed by
+the request's seed and position (runtime.engine.sampling): a draft token is kept exactly when it is the token
+plain decoding would have drawn there."""
+
+from __future__ import annotations
+
+import random
+import re
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.scheduler.ngram import ngram_draft
+
+SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+
+
+def test_ngram_drafts_follow_the_latest_longest_match():
+    assert ngram_draft([1, 2, 3, 4, 1, 2], 3, 1, 4) == [3, 4, 1]
+    assert ngram_draft([7, 1, 9, 1, 2, 8, 1, 2], 2, 1, 4) == [8, 1]  # the match of [1, 2], not of [2]'s or [1]'s
+    assert ngram_draft([1, 2, 3], 2, 1, 4) == []
+    assert ngram_draft([5, 6, 5, 6, 5], 8, 2, 2) == [6, 5]  # as far as the sequence goes
+    assert ngram_draft([4, 4, 1, 4], 2, 2, 3) == []  # no match of two tokens or more
+
+
+@pytest.fixture(scope="module")
+def looping(tmp_path_factory):
+    """A tiny random model over 24 tokens: its greedy output falls into loops, which n-grams then draft."""
+    from tests.tiny_models import build
+
+    return build("llama", tmp_path_factory.mktemp("looping"), vocab_size=24)
+
+
+def prompts(count: int, length: int) -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(3, 24) for _ in range(length)] for _ in range(count)]
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens=120, temperature=0, ignore_eos=True),
+        SamplingParams(max_tokens=120, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True, logprobs=2),
+        SamplingParams(max_tokens=120, temperature=1.0, seed=4, repetition_penalty=1.1, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded-top-p-logprobs", "penalized"],
+)
+def test_ngram_speculation_keeps_drafts_and_changes_no_token(looping, params):
+    plain = LLM(looping, dtype="float32", page_size=4).generate(prompts(4, 16), params)
+    llm = LLM(looping, dtype="float32", page_size=4, **SPEC)
+    spec = llm.generate(prompts(4, 16), params)
+    stats = llm.engine.speculation
+    print(f"speculation: {stats}, {(stats.kept + stats.steps) / stats.steps:.2f} tokens a step")
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    if params.logprobs:  # a verify step's rows give each kept token's own, as a decode would (to rounding)
+        for s, p in zip(spec, plain):
+            assert s.logprobs is not None and p.logprobs is not None and len(s.logprobs) == len(s.token_ids)
+            assert [sorted(a) for a in s.logprobs] == [sorted(b) for b in p.logprobs]
+            assert [list(a.values()) for a in s.logprobs] == [pytest.approx(list(b.values()), abs=1e-4) for b in p.logprobs]
+    assert stats.kept > 0
+    if params.temperature == 0:  # the loops a greedy run falls into: more than one token a verify step
+        assert (stats.kept + stats.steps) / stats.steps > 1.2
+
+
+def test_speculation_stops_where_plain_decoding_stops(looping):
+    """A stop token or the length limit inside a kept draft ends the request there, as plain decoding would."""
+    greedy = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
+    plain_run = LLM(looping, dtype="float32", page_size=4).generate(prompts(3, 16), greedy)
+    stop = [o.token_ids[40] for o in plain_run]  # a token each output draws by then
+    params = [SamplingParams(max_tokens=90, temperature=0, stop_token_ids=[t], ignore_eos=True) for t in stop]
+    plain = LLM(looping, dtype="float32", page_size=4).generate(prompts(3, 16), params)
+    spec = LLM(looping, dtype="float32", page_size=4, **SPEC).generate(prompts(3, 16), params)
+    assert [(o.token_ids, o.finish_reason) for o in spec] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert all(o.finish_reason == "stop" for o in spec)
+    short = SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)
+    assert [o.token_ids for o in LLM(looping, dtype="float32", page_size=4, **SPEC).generate(prompts(3, 16), short)] == [
+        o.token_ids for o in LLM(looping, dtype="float32", page_size=4).generate(prompts(3, 16), short)
+    ]
+
+
+TEXT = "The quick brown fox jumps over the lazy dog near the river bank, while the sun sets slowly behind the hills. " * 3
+REPEAT = [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + TEXT}]
+
+
+def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smollm2, smol_server, tmp_path):
+    """SmolLM2 asked to repeat a text, behind the real pipeline: the same answers as the plain session server
+    (greedy, streamed with log-probabilities, and n=2 seeded), several tokens a verify step, in /metrics."""
+    import openai
+    import requests
+
+    from tests.conftest import launch
+
+    server = launch(smollm2, tmp_path / "serve.log", "--speculative-algorithm", "NGRAM", model=smol_server.model)
+    try:
+        spec, plain = (openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0) for s in (server, smol_server))
+        ask = dict(model=smol_server.model, messages=REPEAT, max_tokens=80, temperature=0)
+        answers = [client.chat.completions.create(**ask).choices[0].message.content for client in (spec, plain)]  # pyright: ignore[reportCallIssue, reportArgumentType]
+        assert answers[0] == answers[1] and answers[0] and "quick brown fox" in answers[0]
+        streams = []
+        for client in (spec, plain):
+            chunks = list(client.chat.completions.create(**ask, stream=True, logprobs=True, top_logprobs=2))  # pyright: ignore[reportCallIssue, reportArgumentType]
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
+            streams.append((text, [e.token for block in logprobs for e in block.content or []]))
+        assert streams[0] == streams[1] and streams[0][0] == answers[0]
+        seeded = dict(model=smol_server.model, prompt=TEXT, max_tokens=40, temperature=0.8, seed=9, n=2)
+        texts = [[c.text for c in client.completions.create(**seeded).choices] for client in (spec, plain)]  # pyright: ignore[reportCallIssue, reportArgumentType]
+        assert texts[0] == texts[1]
+        metrics = requests.get(f"{server.base_url}/metrics", timeout=10).text
+        count = float(re.search(r"ringllm:spec_accept_length_count\{[^}]*\} (\S+)", metrics).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+        total = float(re.search(r"ringllm:spec_accept_length_sum\{[^}]*\} (\S+)", metrics).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+        print(f"verify steps {count:.0f}, {total / count:.2f} tokens a step")
+        assert count > 0 and total / count > 1.5
+    finally:
+        server.stop()
