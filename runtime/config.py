@@ -12,7 +12,7 @@ import structlog
 from runtime.cli_args import CliConfig, flag
 from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
 
 log = structlog.get_logger()
 
@@ -221,9 +221,13 @@ class EngineConfig(CliConfig):
         default=None,
         metadata=flag(
             "speculative decoding: NGRAM drafts the tokens that followed the latest earlier match of the sequence's "
-            "last tokens (prompt lookup); a step verifies the draft and keeps what the model itself gives",
+            "last tokens (prompt lookup), STANDALONE a smaller model of the same vocabulary "
+            "(--speculative-draft-model-path); a step verifies the draft and keeps what the model itself gives",
             choices=SPECULATIVE_ALGORITHMS,
         ),
+    )
+    speculative_draft_model_path: str | None = field(
+        default=None, metadata=flag("STANDALONE: the draft model's folder or hub id (the target's vocabulary)", metavar="DIR")
     )
     speculative_num_draft_tokens: int = field(default=4, metadata=flag("draft tokens a step verifies (a step gives up to one more)"))
     speculative_ngram_min_match_window_size: int = field(default=1, metadata=flag("NGRAM: the fewest last tokens a match takes"))
@@ -345,6 +349,10 @@ class EngineConfig(CliConfig):
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, not {self.hicache_write_policy!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or none, not {self.speculative_algorithm!r}")
+        if (self.speculative_algorithm == "STANDALONE") != (self.speculative_draft_model_path is not None):
+            raise ValueError("--speculative-algorithm STANDALONE takes --speculative-draft-model-path, and only it does")
+        if self.speculative_algorithm == "STANDALONE" and self.tensor_parallel_size > 1:
+            raise ValueError("a STANDALONE draft model runs on one rank (--tp 1)")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be at least speculative_ngram_min_match_window_size")
         if not self.grammar_compile_timeout > 0:

@@ -23,12 +23,15 @@ class NewSlot:
     cached: int  # leading tokens whose KV the slot's first pages already hold (prefix cache)
 
 
+DRAFT_HERE = -1  # a draft token the engine's draft model is to fill in (STANDALONE)
+
+
 @dataclass(frozen=True)
 class Chunk:
     slot: int
     token_ids: list[int]  # fed at the slot's current length onwards
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
-    drafts: int = 0  # its last tokens are a speculative draft: sample after each, keep the draft as far as it matches
+    drafts: int = 0  # its last tokens are a speculative draft (or DRAFT_HERE): sample after each, keep it as far as it matches
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,7 @@ ENGINE = {
 ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "kv_cache_dtype": "auto", "tensor_parallel_size": 1}
 ALONE |= {"enable_prefix_cache": True, "hierarchical_cache": True, "hicache_ratio": 3.0, "hicache_size": 4.0}
 ALONE |= {"hicache_write_policy": "write_back", "hicache_storage_backend": "file", "hicache_storage_dir": "/var/kv"}
+ALONE |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/models/draft"}
 SERVE = {
     "served_model_name": "served",
     "host": "0.0.0.0",

@@ -14,6 +14,8 @@ from runtime import LLM, SamplingParams
 from runtime.scheduler.ngram import ngram_draft
 
 SPEC = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=4)
+STANDALONE = dict(speculative_algorithm="STANDALONE", speculative_num_draft_tokens=4)
+SEEDED = SamplingParams(max_tokens=40, temperature=0.8, top_k=50, seed=5, ignore_eos=True)
 
 
 def test_ngram_drafts_follow_the_latest_longest_match():
@@ -79,6 +81,33 @@ def test_speculation_stops_where_plain_decoding_stops(looping):
     ]
 
 
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), SEEDED], ids=["greedy", "seeded"])
+def test_a_draft_model_that_is_the_target_keeps_every_draft_token(tiny_model, params):
+    """STANDALONE with the target's own weights: its draws are the target's (same logits, same seeded noise),
+    so every verify step keeps the whole draft and gives draft + 1 tokens, and the output is plain decoding's."""
+    model, prompts = tiny_model("llama"), [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 33, 7)]
+    plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
+    llm = LLM(model, dtype="float32", page_size=4, **STANDALONE, speculative_draft_model_path=str(model))
+    spec = llm.generate(prompts, params)
+    stats = llm.engine.speculation
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert stats.steps > 0 and stats.kept == stats.drafted
+    assert stats.gave.count(5) >= len(stats.gave) - len(prompts)  # all but each request's last step, cut by max_tokens
+
+
+def test_another_draft_model_changes_no_token(tiny_model, tmp_path):
+    """A draft model of other random weights drafts badly; the verification keeps the output plain decoding's."""
+    from tests.tiny_models import build
+
+    model = tiny_model("llama")
+    draft = build("llama", tmp_path, num_hidden_layers=1, hidden_size=32, intermediate_size=64)
+    prompts = [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 9)]
+    for params in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), SEEDED):
+        plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
+        spec = LLM(model, dtype="float32", page_size=4, **STANDALONE, speculative_draft_model_path=str(draft)).generate(prompts, params)
+        assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank, while the sun sets slowly behind the hills. " * 3
 REPEAT = [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + TEXT}]
 
@@ -112,5 +141,31 @@ def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smo
         total = float(re.search(r"ringllm:spec_accept_length_sum\{[^}]*\} (\S+)", metrics).group(1))  # pyright: ignore[reportOptionalMemberAccess]
         print(f"verify steps {count:.0f}, {total / count:.2f} tokens a step")
         assert count > 0 and total / count > 1.5
+    finally:
+        server.stop()
+
+
+def test_a_server_drafts_with_a_draft_model_in_its_engine(tiny_smol, tmp_path):
+    """STANDALONE behind the real pipeline (the draft model runs inside the engine actor): the tokens of
+    plain decoding offline, and whole drafts kept (the draft is the target)."""
+    import openai
+    import requests
+
+    from tests.conftest import launch
+
+    prompt = "Once upon a time there was a lighthouse keeper who"
+    expected = LLM(tiny_smol, dtype="float32").generate([prompt], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))[0]
+    flags = ("--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", str(tiny_smol))
+    server = launch(tiny_smol, tmp_path / "serve.log", *flags)
+    try:
+        client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
+        reply = client.completions.create(
+            model=server.model, prompt=prompt, max_tokens=24, temperature=0, extra_body={"ignore_eos": True, "return_token_ids": True}
+        )
+        assert reply.choices[0].token_ids == expected.token_ids  # pyright: ignore[reportAttributeAccessIssue]
+        metrics = requests.get(f"{server.base_url}/metrics", timeout=10).text
+        count = float(re.search(r"ringllm:spec_accept_length_count\{[^}]*\} (\S+)", metrics).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+        total = float(re.search(r"ringllm:spec_accept_length_sum\{[^}]*\} (\S+)", metrics).group(1))  # pyright: ignore[reportOptionalMemberAccess]
+        assert count > 0 and total / count > 4
     finally:
         server.stop()

@@ -12,7 +12,7 @@ import functools
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import cast
 
@@ -34,8 +34,9 @@ from runtime.models.cpu_linears import default_dtype
 from runtime.models.decoder import DecoderLayer
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
+from runtime.models.source import resolve_model_dir
 from runtime.sampling_params import SamplingParams
-from runtime.step import HeldKV, Sampled, StepPlan
+from runtime.step import DRAFT_HERE, Chunk, HeldKV, Sampled, StepPlan
 from runtime.structured.masks import GrammarMasks
 from transport import env
 
@@ -180,6 +181,7 @@ class Engine:
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
         self.speculation = SpecStats()
+        self.drafter: DraftModel | None = None  # STANDALONE speculation's (the draft_model phase)
         # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
         phases: dict[str, Callable[[], None]] = {
             "weights": lambda: self._load_weights(model_dir),
@@ -187,6 +189,7 @@ class Engine:
             "kernels": self._choose_kernels,
             "graphs": self._capture_graphs,
             "warm_up": self._warm_up,
+            "draft_model": self._load_draft_model,
         }
         startup_s = {}
         for phase, run in phases.items():
@@ -194,6 +197,18 @@ class Engine:
             run()
             startup_s[phase] = round(time.monotonic() - started, 3)
         self._log_ready(startup_s)
+
+    def _load_draft_model(self) -> None:
+        """STANDALONE speculation's draft model, in an engine of its own over a pool of this one's page ids."""
+        if (path := self.config.speculative_draft_model_path) is None:
+            return
+        draft_config = replace(
+            self.config, num_pages=self.num_pages, speculative_algorithm=None, speculative_draft_model_path=None, hierarchical_cache=False
+        )
+        draft = Engine(resolve_model_dir(path), draft_config, SINGLE, self.device)
+        if draft.model_config.vocab_size != self.model_config.vocab_size or draft.max_pages_per_seq < self.max_pages_per_seq:
+            raise ValueError(f"the draft model {path} needs the target's vocabulary and at least its context")
+        self.drafter = DraftModel(draft)
 
     def _load_weights(self, model_dir: Path) -> None:
         """The checkpoint's config, the dtypes of the weights and the KV cache, and the model's weights
@@ -356,7 +371,8 @@ class Engine:
             raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
         return int(budget // page_bytes) - 1
 
-    def _apply(self, plan: StepPlan) -> None:
+    def apply(self, plan: StepPlan) -> None:
+        """The plan's freed and new slots and their pages (launch applies each plan first)."""
         for slot in plan.freed:
             self.slots.pop(slot, None)
             self.grammars.close(slot)
@@ -376,7 +392,10 @@ class Engine:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
-        self._apply(plan)
+        self.apply(plan)
+        if self.drafter is not None:
+            self.drafter.mirror(plan)
+            plan = self.drafter.draft(plan, self.slots)
         waits = None
         if plan.moves:
             assert self.tiers is not None  # the scheduler moves pages between tiers only where there are some
@@ -532,6 +551,8 @@ class Engine:
         draft.state.sampled += kept + 1
         if self.slots.get(draft.slot) is draft.state:  # not a slot freed and opened again meanwhile
             self.lengths[draft.slot] -= len(draft.tokens) - kept
+            if self.drafter is not None:
+                self.drafter.kept(draft.slot, int(self.lengths[draft.slot]))
         self.speculation.steps += 1
         self.speculation.drafted += len(draft.tokens)
         self.speculation.kept += kept
@@ -578,6 +599,8 @@ class Engine:
         of each slot's request (its rid, the tokens whose KV is written, their pages, its salt), for a new
         scheduler to adopt."""
         self._read_all()
+        if self.drafter is not None:
+            self.drafter.engine.reset()
         if self.tiers is not None:  # the host tier's index is complete for the scheduler that adopts it
             self.tiers.finish_stores(wait=True)
         ps = self.config.page_size
@@ -594,3 +617,48 @@ class Engine:
         self.slots.clear()
         self.grammars.clear()
         return held
+
+
+class DraftModel:
+    """STANDALONE drafts: a smaller model of the target's vocabulary, in an Engine of its own that mirrors the
+    target's slots and page tables (its own pool under the same page ids). A cached prefix's pages may hold no
+    draft KV, so a slot's draft KV is computed from its first token at its first draft, and caught up to the
+    target's tokens before each draft after. Its draws take the request's own sampling and seed: a draft model
+    that is the target draws what the target will."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def mirror(self, plan: StepPlan) -> None:
+        """The plan's freed and new slots and their pages, as the target applied them (no grammar: a guided
+        request is never drafted)."""
+        new = [replace(n, cached=0, params=replace(n.params, guide=None)) for n in plan.new_slots]
+        self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
+
+    def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> StepPlan:
+        """The plan with its DRAFT_HERE tokens drawn: one step over each drafted slot's tokens the draft model
+        lacks, then a decode step for each draft token after the first, read once all are queued."""
+        asks = [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
+        if not asks:
+            return plan
+        engine, catch_up = self.engine, []
+        for _, chunk in asks:
+            target, mine = targets[chunk.slot], engine.slots[chunk.slot]
+            mine.output_ids, mine.sampled = list(target.output_ids), len(target.output_ids)
+            known = target.prompt_ids + target.output_ids
+            catch_up.append(Chunk(chunk.slot, known[int(engine.lengths[chunk.slot]) :], True))
+        steps = [engine.launch(StepPlan(chunks=catch_up))]
+        for j in range(1, max(c.drafts for _, c in asks)):
+            steps.append(engine.launch(StepPlan(decodes=[c.slot for _, c in asks if c.drafts > j])))
+        drawn: dict[int, list[int]] = {c.slot: [] for _, c in asks}
+        for step in steps:
+            for sampled in step.result():
+                drawn[sampled.slot].append(sampled.token)
+        chunks = list(plan.chunks)
+        for i, chunk in asks:
+            chunks[i] = replace(chunk, token_ids=chunk.token_ids[: -chunk.drafts] + drawn[chunk.slot])
+        return replace(plan, chunks=chunks)
+
+    def kept(self, slot: int, length: int) -> None:
+        """The target kept KV for `length` tokens of the slot: the draft KV past it is void."""
+        self.engine.lengths[slot] = min(int(self.engine.lengths[slot]), length)

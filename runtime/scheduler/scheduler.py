@@ -16,7 +16,7 @@ from runtime.scheduler.ngram import ngram_draft
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
 from runtime.scheduler.tiers import TIER_NAMES, Tiers
-from runtime.step import MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
+from runtime.step import DRAFT_HERE, MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
 
@@ -267,6 +267,8 @@ class Scheduler:
         )
         if room <= 0 or params.guide is not None:
             return []
+        if cfg.speculative_algorithm == "STANDALONE":  # the engine's draft model fills them in
+            return [DRAFT_HERE] * room
         started = time.perf_counter()
         draft = ngram_draft(request.tokens, room, cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
         self.draft_seconds += time.perf_counter() - started
