@@ -230,6 +230,10 @@ class EngineConfig(CliConfig):
         default=None, metadata=flag("STANDALONE: the draft model's folder or hub id (the target's vocabulary)", metavar="DIR")
     )
     speculative_num_draft_tokens: int = field(default=4, metadata=flag("draft tokens a step verifies (a step gives up to one more)"))
+    speculative_disable_by_batch_size: int | None = field(
+        default=None,
+        metadata=flag("no drafts while more requests than this run (vLLM's flag): speculation pays at small batches", metavar="N"),
+    )
     speculative_ngram_min_match_window_size: int = field(default=1, metadata=flag("NGRAM: the fewest last tokens a match takes"))
     speculative_ngram_max_match_window_size: int = field(
         default=12, metadata=flag("NGRAM: the most last tokens a match takes (the longest match wins)")
@@ -327,6 +331,7 @@ class EngineConfig(CliConfig):
             "steps_in_flight": 1,
             "tensor_parallel_size": 1,
             "speculative_num_draft_tokens": 1,
+            "speculative_disable_by_batch_size": 0,
             "speculative_ngram_min_match_window_size": 1,
         }
         for name, least in at_least.items():

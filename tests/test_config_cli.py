@@ -44,6 +44,7 @@ ENGINE = {
     "grammar_compile_timeout": 2.5,
     "speculative_algorithm": "NGRAM",
     "speculative_num_draft_tokens": 6,
+    "speculative_disable_by_batch_size": 3,
     "speculative_ngram_min_match_window_size": 2,
     "speculative_ngram_max_match_window_size": 5,
 }

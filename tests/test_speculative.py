@@ -81,6 +81,22 @@ def test_speculation_stops_where_plain_decoding_stops(looping):
     ]
 
 
+def test_speculation_stops_above_its_batch_size_and_resumes_below_it(looping):
+    """--speculative-disable-by-batch-size 2: four requests decode plainly (with the overlap) until two have
+    ended, then the other two draft again; the tokens stay plain decoding's throughout."""
+    lengths = (20, 30, 100, 100)
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for n in lengths]
+    plain = LLM(looping, dtype="float32", page_size=4).generate(prompts(4, 16), params)
+    never = LLM(looping, dtype="float32", page_size=4, **SPEC, speculative_disable_by_batch_size=0)
+    assert [o.token_ids for o in never.generate(prompts(4, 16), params)] == [o.token_ids for o in plain]
+    assert never.engine.speculation.steps == 0
+    llm = LLM(looping, dtype="float32", page_size=4, **SPEC, speculative_disable_by_batch_size=2)
+    assert [o.token_ids for o in llm.generate(prompts(4, 16), params)] == [o.token_ids for o in plain]
+    stats = llm.engine.speculation
+    assert stats.steps > 0 and stats.kept > 0
+    assert stats.steps + stats.kept <= 2 * (100 - 30)  # only the two long requests, after the others ended
+
+
 @pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), SEEDED], ids=["greedy", "seeded"])
 def test_a_draft_model_that_is_the_target_keeps_every_draft_token(tiny_model, params):
     """STANDALONE with the target's own weights: its draws are the target's (same logits, same seeded noise),

@@ -74,6 +74,7 @@ class Scheduler:
         self.tier_hits = dict.fromkeys(TIER_NAMES, 0)  # prompt tokens found in each tier at admission
         # speculative decoding: a request is fed its last token and a draft once its step before has answered
         self.speculative = config.speculative_algorithm is not None
+        self.speculating = self.speculative  # this plan drafts: off while more requests run than it pays for
         self.draft_seconds = 0.0  # spent drafting, in all
         self.eos_token_ids = frozenset(eos_token_ids)
         self.max_position = max_position
@@ -147,7 +148,13 @@ class Scheduler:
                 plan.pages.append((request.slot, list(request.pages)))
         budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
         assert budget is not None  # EngineConfig fills in the device's default
+        limit = self.config.speculative_disable_by_batch_size
+        self.speculating = self.speculative and (limit is None or len(self.running) <= limit)
         for request in list(self.running):
+            if self.speculating and request.decoding:  # back to drafting once its decodes in flight have answered
+                if request.computed != len(request.tokens) - 1:
+                    continue
+                request.decoding = False
             if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
                 continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
             prefilling = not request.decoding
@@ -170,7 +177,7 @@ class Scheduler:
             self._grow(request, count, plan)
             self._feed(request, count, plan)
             budget -= count
-        if not mixed and not plan.chunks:  # prefill first: decodes get the steps with nothing to prefill
+        if not mixed and not plan.chunks and not self.speculating:  # prefill first: decodes get the steps with nothing to prefill
             for request in list(self.running):
                 if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
                     self._feed(request, 1, plan)
@@ -255,7 +262,7 @@ class Scheduler:
         """A speculative draft after the request's `count` next tokens, where they end what it knows and it is
         decoding: as many as fit its length, the context and the pool. None for a grammar's request (its masks
         follow the tokens drawn)."""
-        if not self.speculative or request.computed + count != len(request.tokens) or not request.output_ids:
+        if not self.speculating or request.computed + count != len(request.tokens) or not request.output_ids:
             return []
         params, cfg = request.params, self.config
         assert params.max_tokens is not None  # add() fills it in
@@ -285,7 +292,7 @@ class Scheduler:
             sample = start + count == len(request.tokens)
             plan.chunks.append(Chunk(request.slot, request.tokens[start : start + count] + list(drafts), sample, len(drafts)))
             self._chunk_ends.setdefault(plan.step, []).append((request, start + count))
-            request.decoding = sample and not self.speculative
+            request.decoding = sample and not self.speculating
         request.computed += count
 
     def _admit(self, request: Request, plan: StepPlan) -> bool:
@@ -403,7 +410,7 @@ class Scheduler:
             request.output_ids.append(result.token)
             request.fresh += 1
             request.confirmed = len(request.tokens) - 1  # every token before the one just drawn has its KV
-            if self.speculative:  # a draft's rejected tokens' KV is void: the next chunk starts at the last token
+            if not request.decoding:  # drafting: a draft's rejected tokens' KV is void, the next chunk starts at the last token
                 request.computed = request.confirmed
             if result.logprobs is not None:
                 request.logprobs.append(result.logprobs)
