@@ -185,3 +185,20 @@ def test_a_server_drafts_with_a_draft_model_in_its_engine(tiny_smol, tmp_path):
         assert count > 0 and total / count > 4
     finally:
         server.stop()
+
+
+def test_two_ranks_speculate_as_one(looping):
+    """A tensor-parallel follower reads its steps late; a verify step's kept length must reach it before its
+    next plan does, or its ranks would attend over other lengths than rank 0's."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = LLM(looping, dtype="float32", page_size=4, tensor_parallel_size=2)
+    try:
+        expected = [o.token_ids for o in plain.generate(prompts(3, 16), params)]
+    finally:
+        plain.close()
+    spec = LLM(looping, dtype="float32", page_size=4, tensor_parallel_size=2, **SPEC)
+    try:
+        assert [o.token_ids for o in spec.generate(prompts(3, 16), params)] == expected
+        assert spec.engine.speculation.kept > 0
+    finally:
+        spec.close()

@@ -392,6 +392,8 @@ class Engine:
     @torch.inference_mode()
     def launch(self, plan: StepPlan) -> PendingStep:
         """Queues the plan's forward and draw on the device and returns without waiting for either."""
+        while any(step.drafts and not step.read for step in self._unread):  # a tensor-parallel follower reads late:
+            self._unread.popleft().result()  # a draft's kept length must move its slot back before a later plan runs
         self.apply(plan)
         if self.drafter is not None:
             self.drafter.mirror(plan)
