@@ -139,7 +139,7 @@ def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smo
     server = launch(smollm2, tmp_path / "serve.log", "--speculative-algorithm", "NGRAM", model=smol_server.model)
     try:
         spec, plain = (openai.OpenAI(base_url=f"{s.base_url}/v1", api_key="none", max_retries=0) for s in (server, smol_server))
-        ask = dict(model=smol_server.model, messages=REPEAT, max_tokens=80, temperature=0)
+        ask = dict(model=smol_server.model, messages=REPEAT, max_tokens=40, temperature=0)
         answers = [client.chat.completions.create(**ask).choices[0].message.content for client in (spec, plain)]  # pyright: ignore[reportCallIssue, reportArgumentType]
         assert answers[0] == answers[1] and answers[0] and "quick brown fox" in answers[0]
         streams = []
@@ -149,7 +149,7 @@ def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smo
             logprobs = [c.choices[0].logprobs for c in chunks if c.choices and c.choices[0].logprobs]
             streams.append((text, [e.token for block in logprobs for e in block.content or []]))
         assert streams[0] == streams[1] and streams[0][0] == answers[0]
-        seeded = dict(model=smol_server.model, prompt=TEXT, max_tokens=40, temperature=0.8, seed=9, n=2)
+        seeded = dict(model=smol_server.model, prompt=TEXT, max_tokens=20, temperature=0.8, seed=9, n=2)
         texts = [[c.text for c in client.completions.create(**seeded).choices] for client in (spec, plain)]  # pyright: ignore[reportCallIssue, reportArgumentType]
         assert texts[0] == texts[1]
         metrics = requests.get(f"{server.base_url}/metrics", timeout=10).text
