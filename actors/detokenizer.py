@@ -97,7 +97,8 @@ class DetokenizerActor(Actor):
         stream = self.streams.get(rid)
         if stream is None:  # finished here already (a stop string), or aborted
             return None
-        text, finish, matched_stop = self._advance(stream, new, item.finish)
+        text, finish, matched_stop, kept = self._advance(stream, new, item.finish)
+        new = new[:kept]
         logprobs = None if item.logprobs is None else self._logprob_entries(new, item.logprobs, stream.top_logprobs)
         usage = None
         if finish is not None:
@@ -115,26 +116,30 @@ class DetokenizerActor(Actor):
             rid, text, new, finish, abort=abort, logprobs=logprobs, usage=usage, resync=resync, prompt=prompt, matched_stop=matched_stop
         )
 
-    def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None, str | int | None]:
-        """Take in new ids: the text they release, the finish (a stop string may end it here), and what
-        matched for a "stop" finish: the stop string, or the token that ended it (EOS or a stop id)."""
-        stream.completion_tokens += len(new)
+    def _advance(self, stream: Stream, new: list[int], finish: str | None) -> tuple[str, str | None, str | int | None, int]:
+        """Take in new ids: the text they release, the finish (a stop string may end it here), what matched
+        for a "stop" finish (the stop string, or the token that ended it: EOS or a stop id), and how many of
+        the ids count: a stop string ends the output at the token that completes it, as it would have ended
+        a step that gave one token (a speculative step gives several)."""
         matched: str | int | None = new[-1] if finish == "stop" and new else None
         shown = new[:-1] if matched is not None else new  # the stop token leaves no text, as in vLLM
-        released = "".join(self._text_of(stream, token) for token in shown)
-        if stream.matcher is None:
-            return released, finish, matched
-        text = stream.held + released  # the held text was fed already: feed only what is new
-        if (start := stream.matcher.feed(released)) is not None:
-            cut = len(stream.held) + start
-            # the first stop string to complete: of those that begin at the cut, the shortest
-            matched = min((stop for stop in stream.stop if text.startswith(stop, cut)), key=len)
-            text, finish = text[:cut], "stop"
-            stream.held = ""
-        elif finish is None:
-            keep = stream.matcher.held
-            text, stream.held = text[: len(text) - keep], text[len(text) - keep :]
-        return text, finish, matched
+        pieces = [self._text_of(stream, token) for token in shown]
+        released, kept = "".join(pieces), len(new)
+        if stream.matcher is not None:
+            text = stream.held + released  # the held text was fed already: feed only what is new
+            if (start := stream.matcher.feed(released)) is not None:
+                cut = len(stream.held) + start
+                # the first stop string to complete: of those that begin at the cut, the shortest
+                matched = min((stop for stop in stream.stop if text.startswith(stop, cut)), key=len)
+                text, finish = text[:cut], "stop"
+                stream.held = ""
+                kept = _tokens_through(pieces, start + len(matched))
+            elif finish is None:
+                hold = stream.matcher.held
+                text, stream.held = text[: len(text) - hold], text[len(text) - hold :]
+            released = text
+        stream.completion_tokens += kept
+        return released, finish, matched, kept
 
     def _text_of(self, stream: Stream, token: int) -> str:
         """The text `token` releases. DecodeStream raises when the window's text stops extending what
@@ -169,3 +174,13 @@ class DetokenizerActor(Actor):
         return [
             {"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": [[i, text(i), lp] for i, lp in ranked[:keep]]} for t in new
         ]
+
+
+def _tokens_through(pieces: list[str], end: int) -> int:
+    """How many tokens, of those whose texts are `pieces`, it takes to release `end` characters."""
+    released = 0
+    for count, piece in enumerate(pieces, 1):
+        released += len(piece)
+        if released >= end:
+            return count
+    return len(pieces)

@@ -65,6 +65,16 @@ def test_ngram_speculation_keeps_drafts_and_changes_no_token(looping, params):
         assert (stats.kept + stats.steps) / stats.steps > 1.2
 
 
+def test_drafting_requests_take_no_prefill_budget(looping):
+    """A step's prefill budget of 4 tokens, four drafting requests: drafts are not charged to it (they would
+    drive it below zero), and each request is fed its last token and draft every step it can."""
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = LLM(looping, dtype="float32", page_size=4, max_prefill_tokens=4).generate(prompts(4, 16), params)
+    llm = LLM(looping, dtype="float32", page_size=4, max_prefill_tokens=4, **{**SPEC, "speculative_num_draft_tokens": 8})
+    assert [o.token_ids for o in llm.generate(prompts(4, 16), params)] == [o.token_ids for o in plain]
+    assert llm.engine.speculation.kept > 0
+
+
 def test_speculation_stops_where_plain_decoding_stops(looping):
     """A stop token or the length limit inside a kept draft ends the request there, as plain decoding would."""
     greedy = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)

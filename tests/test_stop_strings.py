@@ -177,3 +177,23 @@ def test_smollm2_tokenizer(smollm2: Path) -> None:
         for sizes in ([1] * len(ids), [3] * len(ids)):
             text, final, _, matched = run(detok, [stop], split(ids, sizes), "length")
             assert (text, final) == expected and matched == (stop if final == "stop" else None), (stop, sizes)
+
+
+@settings(max_examples=200, deadline=None)
+@given(stops=STOPS, tokens=TOKENS, sizes=SIZES)
+def test_a_stop_string_inside_a_step_of_several_tokens_keeps_what_one_at_a_time_would(
+    stops: list[str], tokens: list[int], sizes: list[int]
+) -> None:
+    """A speculative step gives several tokens at once: a stop string among them ends the output, ids and
+    completion count, at the token that completes it, as steps of one token each would."""
+
+    def ids_and_count(chunks: list[list[int]]) -> tuple[list[int], int | None]:
+        detok, ids, count = actor(), [], None
+        for i, new in enumerate(chunks):
+            announce = Announce(Detok(stops, True, 0), [], 3, 0) if i == 0 else None
+            if (delta := detok._apply(TokenItem(1, "length" if i == len(chunks) - 1 else None, new, announce=announce))) is not None:
+                ids += delta.token_ids
+                count = (delta.usage or {}).get("completion_tokens", count)
+        return ids, count
+
+    assert ids_and_count(split(tokens, sizes)) == ids_and_count([[token] for token in tokens])

@@ -158,11 +158,16 @@ class Scheduler:
             if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
                 continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
             prefilling = not request.decoding
-            count = min(len(request.tokens) - request.computed, budget) if prefilling else 1
-            drafts = self._draft(request, count) if prefilling and count else []
-            if count and self._grow(request, count + len(drafts), plan):
+            known = len(request.tokens) - request.computed
+            # a drafting request's next step feeds its last token and a draft: a decode's share, not the prefill budget's
+            drafting = prefilling and known == 1 and bool(request.output_ids)
+            count = min(known, budget) if prefilling and not drafting else 1
+            if count <= 0:
+                continue
+            drafts = self._draft(request, count) if prefilling else []
+            if self._grow(request, count + len(drafts), plan):
                 self._feed(request, count, plan, drafts)
-                budget -= count + len(drafts) if prefilling else 0
+                budget -= count if prefilling and not drafting else 0
         history = 0
         for request in list(self.waiting):
             if budget <= 0 or not self._free_slots:
