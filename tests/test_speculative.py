@@ -5,6 +5,7 @@ plain decoding would have drawn there."""
 
 from __future__ import annotations
 
+import json
 import random
 import re
 
@@ -132,6 +133,25 @@ def test_another_draft_model_changes_no_token(tiny_model, tmp_path):
         plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
         spec = LLM(model, dtype="float32", page_size=4, **STANDALONE, speculative_draft_model_path=str(draft)).generate(prompts, params)
         assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+
+
+def test_a_grammar_masks_every_draft_row_and_the_output_stays_plain(tiny_smol):
+    """Guided requests draft too: the grammar takes the draft a token a row to mask each verify row, then gives
+    it back. Regex and JSON schema, greedy and seeded, beside an unguided request: plain decoding's tokens."""
+    items = {"type": "array", "minItems": 6, "maxItems": 6, "items": {"enum": ["alpha beta", "gamma delta"]}}
+    schema = json.dumps({"type": "object", "properties": {"items": items}, "required": ["items"]})
+    params = [
+        SamplingParams(max_tokens=80, temperature=0, guide=("regex", "(the cat sat on the mat\\. ){4}")),
+        SamplingParams(max_tokens=80, temperature=0.9, seed=3, guide=("json_schema", schema)),
+        SamplingParams(max_tokens=40, temperature=0),
+    ]
+    prompts = ["Say it:", "List:", "Free text"]
+    plain = LLM(tiny_smol, dtype="float32").generate(prompts, params)
+    llm = LLM(tiny_smol, dtype="float32", speculative_algorithm="NGRAM")
+    spec = llm.generate(prompts, params)
+    assert [(o.token_ids, o.finish_reason) for o in spec] == [(o.token_ids, o.finish_reason) for o in plain]
+    assert spec[0].text.startswith("the cat sat on the mat. the cat") and spec[1].text.lstrip().startswith("{")
+    assert llm.engine.speculation.kept > 0
 
 
 TEXT = "The quick brown fox jumps over the lazy dog near the river bank, while the sun sets slowly behind the hills. " * 3

@@ -533,7 +533,7 @@ class Engine:
         host = torch.empty(len(step.rows), dtype=torch.int64, pin_memory=self.device.type == "cuda")
         constrain = None
         if constrained:
-            slots, outputs = step.sample_slots.tolist(), [state.output_ids for state in step.states]
+            slots, outputs = step.sample_slots.tolist(), [row.output_ids for row in step.rows]  # a draft row's: with the draft before it
             constrain = functools.partial(self._masked, slots=slots, outputs=outputs)
         drawn = sample(logits, step.rows, Feedback(self.last_tokens, sample_slots_on_device, host), constrain, self.block_rows)
         drafting = {id(draft.state) for draft in step.drafts}

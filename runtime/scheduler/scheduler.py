@@ -265,8 +265,7 @@ class Scheduler:
 
     def _draft(self, request: Request, count: int) -> list[int]:
         """A speculative draft after the request's `count` next tokens, where they end what it knows and it is
-        decoding: as many as fit its length, the context and the pool. None for a grammar's request (its masks
-        follow the tokens drawn)."""
+        decoding: as many as fit its length, the context and the pool."""
         if not self.speculating or request.computed + count != len(request.tokens) or not request.output_ids:
             return []
         params, cfg = request.params, self.config
@@ -277,7 +276,7 @@ class Scheduler:
             self.max_position - len(request.tokens) - 1,
             self.allocator.num_pages * self.page_size - len(request.tokens),
         )
-        if room <= 0 or params.guide is not None:
+        if room <= 0:
             return []
         if cfg.speculative_algorithm == "STANDALONE":  # the engine's draft model fills them in
             return [DRAFT_HERE] * room

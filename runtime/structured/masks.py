@@ -283,10 +283,14 @@ class GrammarMasks:
     def apply(self, logits: torch.Tensor, slots: list[int], outputs: list[list[int]]) -> None:
         """Masks row i of `logits` to what slot slots[i]'s grammar allows after outputs[i] (every
         token the slot has drawn, read back). A grammar that allows no token there fails its slot
-        (take_errors) and leaves its row as it is: the request ends with the error, not with that draw."""
+        (take_errors) and leaves its row as it is: the request ends with the error, not with that draw.
+        A slot's later rows are a speculative step's, each after one more draft token (_draft_masks)."""
         import xgrammar as xgr
 
-        live = [(i, slot, state) for i, (slot, output) in enumerate(zip(slots, outputs)) if (state := self._feed(slot, output)) is not None]
+        rows_of: dict[int, list[int]] = {}
+        for i, slot in enumerate(slots):
+            rows_of.setdefault(slot, []).append(i)
+        live = [(rows[0], slot, state) for slot, rows in rows_of.items() if (state := self._feed(slot, outputs[rows[0]])) is not None]
         if live:
             rows = [i for i, _, _ in live]
             bitmask = self._bitmask_rows(len(slots), logits.device)
@@ -296,8 +300,30 @@ class GrammarMasks:
             for (_, slot, state), some in zip(live, allows):
                 if not some:
                     self._fail(slot, state)
-            if rows := [i for (i, _, _), some in zip(live, allows) if some]:
-                self._apply_masks(logits, bitmask, rows)
+            masked = [i for (i, _, _), some in zip(live, allows) if some]
+            for (_, slot, state), some in zip(live, allows):
+                if some and len(rows_of[slot]) > 1:
+                    masked += self._draft_masks(state, rows_of[slot], outputs, bitmask)
+            if masked:
+                self._apply_masks(logits, bitmask, masked)
+
+    @staticmethod
+    def _draft_masks(state: _Slot, rows: list[int], outputs: list[list[int]], bitmask: torch.Tensor) -> list[int]:
+        """The masks of a speculative step's rows after its first: the grammar takes the draft a token a row and
+        gives it back after. It stops at a draft token it refuses (the draw before it, masked, cannot be that
+        token, so no later row is kept) or that ends it. Returns the rows masked."""
+        base, taken, masked = len(outputs[rows[0]]), 0, []
+        for i in rows[1:]:
+            if state.matcher.is_terminated() or not state.matcher.accept_token(outputs[i][base + taken]):
+                break
+            taken += 1
+            if state.matcher.is_terminated():
+                break
+            state.matcher.fill_next_token_bitmask(bitmask, i)
+            masked.append(i)
+        if taken:
+            state.matcher.rollback(taken)
+        return masked
 
     def take_errors(self) -> dict[int, str]:
         """The slots whose grammars failed since the last call, and why (for their clients)."""
