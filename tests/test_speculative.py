@@ -76,6 +76,17 @@ def test_drafting_requests_take_no_prefill_budget(looping):
     assert llm.engine.speculation.kept > 0
 
 
+def test_deterministic_inference_speculates_to_the_same_tokens(looping):
+    """Under --enable-deterministic-inference a verify row's logits are bit for bit a decode's (batch-invariant
+    kernels), so seeded sampling speculates to exactly the deterministic plain output, log-probabilities too."""
+    params = SamplingParams(max_tokens=80, temperature=0.8, seed=21, ignore_eos=True, logprobs=1)
+    plain = LLM(looping, page_size=4, deterministic=True).generate(prompts(3, 16), params)
+    llm = LLM(looping, page_size=4, deterministic=True, **SPEC)
+    spec = llm.generate(prompts(3, 16), params)
+    assert [(o.token_ids, o.logprobs) for o in spec] == [(o.token_ids, o.logprobs) for o in plain]
+    assert llm.engine.speculation.kept > 0
+
+
 def test_speculation_stops_where_plain_decoding_stops(looping):
     """A stop token or the length limit inside a kept draft ends the request there, as plain decoding would."""
     greedy = SamplingParams(max_tokens=90, temperature=0, ignore_eos=True)
