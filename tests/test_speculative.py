@@ -10,6 +10,7 @@ import random
 import re
 
 import pytest
+import torch
 
 from runtime import LLM, SamplingParams
 from runtime.scheduler.ngram import ngram_draft
@@ -130,6 +131,8 @@ def test_a_draft_model_that_is_the_target_keeps_every_draft_token(tiny_model, pa
     stats = llm.engine.speculation
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert stats.steps > 0 and stats.kept == stats.drafted
+    weights, page = llm.engine.draft_cost()  # what a CUDA pool's sizing sets aside for the draft model
+    assert page == llm.engine.pool.bytes_per_page(2, 4, 2, 16, torch.float32) and weights > 512 * 64 * 2 * 4
     assert stats.gave.count(5) >= len(stats.gave) - len(prompts)  # all but each request's last step, cut by max_tokens
 
 

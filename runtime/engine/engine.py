@@ -367,9 +367,24 @@ class Engine:
         if config.standby_engine:  # what this process holds now (the weights) again, and room for the standby's graphs
             budget -= torch.cuda.memory_allocated(self.device) + STANDBY_HEADROOM_BYTES
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        draft_weights, draft_page = self.draft_cost()  # a draft model's engine takes its share of the same budget
+        budget -= draft_weights
+        page_bytes += draft_page
         if budget < 16 * page_bytes:
             raise ValueError(f"mem_fraction {config.mem_fraction} leaves no room for the KV cache after the weights")
         return int(budget // page_bytes) - 1
+
+    def draft_cost(self) -> tuple[int, int]:
+        """STANDALONE: the draft model's weights (dense, in this engine's dtype, with a tenth more for its
+        activations and graphs) and its KV bytes a page of this pool's; (0, 0) without a draft model."""
+        if (path := self.config.speculative_draft_model_path) is None:
+            return 0, 0
+        draft = ModelConfig.load(resolve_model_dir(path))
+        attention = draft.hidden_size * draft.head_dim * 2 * (draft.num_heads + draft.num_kv_heads)
+        embeddings = draft.vocab_size * draft.hidden_size * (1 if draft.tie_word_embeddings else 2)
+        params = draft.num_layers * (attention + 3 * draft.hidden_size * draft.intermediate_size) + embeddings
+        page = KVPool.bytes_per_page(draft.num_layers, self.config.page_size, draft.num_kv_heads, draft.head_dim, self.kv_dtype)
+        return int(params * self.dtype.itemsize * 1.1), page
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's freed and new slots and their pages (launch applies each plan first)."""
