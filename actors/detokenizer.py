@@ -98,8 +98,9 @@ class DetokenizerActor(Actor):
         if stream is None:  # finished here already (a stop string), or aborted
             return None
         text, finish, matched_stop, kept = self._advance(stream, new, item.finish)
+        own = item.token_ids[: max(kept - (len(new) - len(item.token_ids)), 0)]  # `new` ends with the item's own tokens
         new = new[:kept]
-        logprobs = None if item.logprobs is None else self._logprob_entries(new, item.logprobs, stream.top_logprobs)
+        logprobs = None if item.logprobs is None else self._logprob_entries(own, item.logprobs, stream.top_logprobs)
         usage = None
         if finish is not None:
             del self.streams[rid]
@@ -167,13 +168,15 @@ class DetokenizerActor(Actor):
             ]
         return out
 
-    def _logprob_entries(self, new: list[int], top: list[tuple[int, float]], keep: int) -> list[dict]:
-        """The sampled token's log-probability, and the `keep` best alternatives with their text."""
+    def _logprob_entries(self, tokens: list[int], tops: list[list[tuple[int, float]]], keep: int) -> list[dict]:
+        """Each sampled token's log-probability (from its own top list), and the `keep` best alternatives with their text."""
         text = lambda t: self.tokenizer.decode([t])  # noqa: E731
-        ranked = sorted(((int(i), lp) for i, lp in top), key=lambda pair: -pair[1])
-        return [
-            {"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": [[i, text(i), lp] for i, lp in ranked[:keep]]} for t in new
-        ]
+        entries = []
+        for t, top in zip(tokens, tops):
+            ranked = sorted(((int(i), lp) for i, lp in top), key=lambda pair: -pair[1])
+            best = [[i, text(i), lp] for i, lp in ranked[:keep]]
+            entries.append({"token_id": t, "token": text(t), "logprob": dict(ranked)[t], "top": best})
+        return entries
 
 
 def _tokens_through(pieces: list[str], end: int) -> int:

@@ -163,8 +163,8 @@ class TokenItem:
 
     rid: int
     finish: str | None
-    token_ids: list[int]  # the newest token, or none (aborted, or ended while being planned)
-    logprobs: list[tuple[int, float]] | None = None  # the newest token's top log-probabilities
+    token_ids: list[int]  # the step's new tokens (several after a speculative step), or none (aborted, or ended while planned)
+    logprobs: list[list[tuple[int, float]]] | None = None  # each new token's top log-probabilities
     announce: Announce | None = None
     prompt_logprobs: list[PromptLogprob] | None = None  # with the first tokens, when the request asked for them
 
@@ -199,7 +199,7 @@ class Tokens(Payload):
                 announce = Announce(Detok(**detok), generated, prompt_tokens, cached_tokens, resync, prompt_ids)
                 seen += count + prompt_count
             if logprobs is not None:
-                logprobs = [(t, lp) for t, lp in logprobs]
+                logprobs = [[(t, lp) for t, lp in top] for top in logprobs]
             items.append(TokenItem(rid, finish, tokens[at : at + n], logprobs, announce, prompt_logprobs))
             at += n
         return cls(items)

@@ -88,7 +88,7 @@ def _first_item(request: Request, detok: Detok, generated: list[int], resync: bo
 
 def _item_bytes(item: TokenItem) -> int:
     """An item's share of a frame, generously: JSON of its logprobs, prompt logprobs and announcement."""
-    size = 64 + 32 * len(item.logprobs or ())
+    size = 64 + sum(16 + 32 * len(top) for top in item.logprobs or ())
     if item.announce is not None:
         size += _announce_bytes(item.announce)
     return size + sum(48 + 32 * len(top) for _, _, top in item.prompt_logprobs or ())
@@ -410,15 +410,8 @@ class SchedulerActor(Actor):
             if request.finish_reason != "abort" and with_token:
                 fresh = max(request.fresh, 1)  # a speculative step gives several
                 item.token_ids = request.output_ids[-fresh:]
-                if request.params.logprobs is not None and fresh > 1:  # an item a token, each with its log-probabilities
-                    tops = [list(top.items()) for top in request.logprobs[-fresh:]]
-                    items = [TokenItem(request.rid, None, [token], top) for token, top in zip(item.token_ids[:-1], tops)]
-                    items[0].announce, items[0].prompt_logprobs = item.announce, item.prompt_logprobs
-                    item.announce, item.prompt_logprobs = None, None
-                    item.token_ids, item.logprobs = item.token_ids[-1:], tops[-1]
-                    step_items += items
-                elif request.params.logprobs is not None:
-                    item.logprobs = list(request.logprobs[-1].items())
+                if request.params.logprobs is not None:
+                    item.logprobs = [list(top.items()) for top in request.logprobs[-fresh:]]
             step_items.append(item)
         for items in _in_frames([(item, _item_bytes(item)) for item in step_items]):
             sent = sum(len(item.token_ids) for item in items)
