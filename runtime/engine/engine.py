@@ -647,8 +647,8 @@ class DraftModel:
         self.engine = engine
 
     def mirror(self, plan: StepPlan) -> None:
-        """The plan's freed and new slots and their pages, as the target applied them (no grammar: a guided
-        request is never drafted)."""
+        """The plan's freed and new slots and their pages, as the target applied them (no grammar: the draft
+        model draws freely, and the target's verify rows carry the grammar's masks)."""
         new = [replace(n, cached=0, params=replace(n.params, guide=None)) for n in plan.new_slots]
         self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
 

@@ -161,9 +161,8 @@ class HostTier:
             if self._stream is not None:
                 events.append(torch.cuda.Event())
                 events[-1].record()
-        for move in moves:
-            if move.kind == "store":
-                self._mark_stored(move.host)
+        if stored := [page for move in moves if move.kind == "store" for page in move.host]:
+            self._mark_stored(stored)
         return LayerWaits(events) if events else None
 
     def _index_pages(self, move: KVMove) -> None:
