@@ -12,7 +12,8 @@ import structlog
 from runtime.cli_args import CliConfig, flag
 from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+MODEL_DRAFTS = ("STANDALONE", "EAGLE", "EAGLE3")  # the algorithms that draft with a model (the engine fills the draft in)
 
 log = structlog.get_logger()
 
@@ -83,6 +84,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoeConfig | None = None
     fp8: Fp8Config | None = None  # the checkpoint's projections are block-quantized FP8
+    draft_vocab_size: int | None = None  # an EAGLE-3 head's: its lm_head's rows
+    eagle_aux_layers: tuple[int, ...] | None = None  # an EAGLE-3 head's: the target layers whose outputs it reads
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -130,6 +133,8 @@ class ModelConfig:
             eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
             moe=moe,
             fp8=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
+            draft_vocab_size=raw.get("draft_vocab_size"),
+            eagle_aux_layers=tuple(aux) if (aux := (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")) else None,
         )
 
     @classmethod
@@ -221,13 +226,14 @@ class EngineConfig(CliConfig):
         default=None,
         metadata=flag(
             "speculative decoding: NGRAM drafts the tokens that followed the latest earlier match of the sequence's "
-            "last tokens (prompt lookup), STANDALONE a smaller model of the same vocabulary "
-            "(--speculative-draft-model-path); a step verifies the draft and keeps what the model itself gives",
+            "last tokens (prompt lookup), STANDALONE a smaller model of the same vocabulary, EAGLE and EAGLE3 a draft "
+            "head over the target's hidden states (--speculative-draft-model-path); a step verifies the draft and "
+            "keeps what the model itself gives",
             choices=SPECULATIVE_ALGORITHMS,
         ),
     )
     speculative_draft_model_path: str | None = field(
-        default=None, metadata=flag("STANDALONE: the draft model's folder or hub id (the target's vocabulary)", metavar="DIR")
+        default=None, metadata=flag("STANDALONE, EAGLE, EAGLE3: the draft model's or head's folder or hub id", metavar="DIR")
     )
     speculative_num_draft_tokens: int = field(default=4, metadata=flag("draft tokens a step verifies (a step gives up to one more)"))
     speculative_disable_by_batch_size: int | None = field(
@@ -354,10 +360,10 @@ class EngineConfig(CliConfig):
             raise ValueError(f"hicache_write_policy must be one of {WRITE_POLICIES}, not {self.hicache_write_policy!r}")
         if self.speculative_algorithm not in (None, *SPECULATIVE_ALGORITHMS):
             raise ValueError(f"speculative_algorithm must be one of {SPECULATIVE_ALGORITHMS} or none, not {self.speculative_algorithm!r}")
-        if (self.speculative_algorithm == "STANDALONE") != (self.speculative_draft_model_path is not None):
-            raise ValueError("--speculative-algorithm STANDALONE takes --speculative-draft-model-path, and only it does")
-        if self.speculative_algorithm == "STANDALONE" and self.tensor_parallel_size > 1:
-            raise ValueError("a STANDALONE draft model runs on one rank (--tp 1)")
+        if (self.speculative_algorithm in MODEL_DRAFTS) != (self.speculative_draft_model_path is not None):
+            raise ValueError(f"--speculative-algorithm {'/'.join(MODEL_DRAFTS)} takes --speculative-draft-model-path, and only they do")
+        if self.speculative_algorithm in MODEL_DRAFTS and self.tensor_parallel_size > 1:
+            raise ValueError("a draft model or head runs on one rank (--tp 1)")
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be at least speculative_ngram_min_match_window_size")
         if not self.grammar_compile_timeout > 0:

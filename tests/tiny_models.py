@@ -72,3 +72,57 @@ def build(name: str, folder: Path, **overrides) -> Path:
     model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra, **overrides}))
     model.save_pretrained(folder)
     return folder
+
+
+def build_eagle_head(kind: str, target: Path, folder: Path, draft_vocab: int = 200, aux_layers: tuple[int, ...] = (0, 0, 1)) -> Path:
+    """A random draft head for the tiny model at `target`, in the layout its kind is published in: EAGLE (one
+    layer named `layers.0.*` without an input norm, `fc` with a bias, the embedding copied in, as a
+    pytorch_model.bin) or EAGLE-3 (`midlayer.*` reading 2h, `fc` over three target layers, its own `norm` and
+    `lm_head` over a draft vocabulary mapped to the target's by `d2t`, as safetensors)."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = json.loads((target / "config.json").read_text())
+    h, heads, kv = config["hidden_size"], config["num_attention_heads"], config["num_key_value_heads"]
+    dim, inter, vocab = h // heads, config["intermediate_size"], config["vocab_size"]
+    generator = torch.Generator().manual_seed(1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator) * 0.3
+
+    wide = 2 * h if kind == "EAGLE3" else h
+    prefix = "midlayer" if kind == "EAGLE3" else "layers.0"
+    tensors = {
+        f"{prefix}.self_attn.q_proj.weight": rand(heads * dim, wide),
+        f"{prefix}.self_attn.k_proj.weight": rand(kv * dim, wide),
+        f"{prefix}.self_attn.v_proj.weight": rand(kv * dim, wide),
+        f"{prefix}.self_attn.o_proj.weight": rand(h, heads * dim),
+        f"{prefix}.mlp.gate_proj.weight": rand(inter, h),
+        f"{prefix}.mlp.up_proj.weight": rand(inter, h),
+        f"{prefix}.mlp.down_proj.weight": rand(h, inter),
+        f"{prefix}.post_attention_layernorm.weight": 1 + rand(h) / 3,
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    head = {**config, "num_hidden_layers": 1}
+    if kind == "EAGLE":
+        embed = AutoModelForCausalLM.from_pretrained(target).get_input_embeddings().weight.detach()
+        tensors |= {"fc.weight": rand(h, 2 * h), "fc.bias": rand(h), "embed_tokens.weight": embed.clone()}
+        torch.save(tensors, folder / "pytorch_model.bin")
+    else:
+        ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+        tensors |= {
+            f"{prefix}.input_layernorm.weight": 1 + rand(h) / 3,
+            f"{prefix}.hidden_norm.weight": 1 + rand(h) / 3,
+            "fc.weight": rand(h, 3 * h),
+            "norm.weight": 1 + rand(h) / 3,
+            "lm_head.weight": rand(draft_vocab, h),
+            "d2t": ids - torch.arange(draft_vocab),
+            "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True),
+        }
+        save_file(tensors, str(folder / "model.safetensors"))
+        head |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
+        head |= {"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}}
+    (folder / "config.json").write_text(json.dumps(head))
+    return folder

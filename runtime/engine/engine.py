@@ -26,6 +26,7 @@ from runtime.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
+from runtime.engine.drafts import DraftModel, EagleDraft
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.kv_tiers import HostTier, LayerWaits, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
@@ -36,7 +37,7 @@ from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
 from runtime.models.source import resolve_model_dir
 from runtime.sampling_params import SamplingParams
-from runtime.step import DRAFT_HERE, Chunk, HeldKV, Sampled, StepPlan
+from runtime.step import HeldKV, Sampled, StepPlan
 from runtime.structured.masks import GrammarMasks
 from transport import env
 
@@ -171,20 +172,22 @@ class Engine:
         device: torch.device | None = None,
         kv_memory: Callable[[int], torch.Tensor] | None = None,
         host_memory: Callable[[int], torch.Tensor] | None = None,
+        model_config: ModelConfig | None = None,
     ) -> None:
         """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
         when None). Every rank runs every step; each holds its shard of the weights and its heads' KV.
         `kv_memory`: where the KV pool lives, bytes -> a uint8 tensor (KVPool's `memory`); None: its own.
-        `host_memory`: likewise, where the host KV tier lives (--enable-hierarchical-cache)."""
+        `host_memory`: likewise, where the host KV tier lives (--enable-hierarchical-cache). `model_config`: the
+        model's, where not the folder's config.json as it stands (a draft head's)."""
         self.config, self.tp = config, tp
         self.device = device or torch.device(config.device)
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
         self.speculation = SpecStats()
-        self.drafter: DraftModel | None = None  # STANDALONE speculation's (the draft_model phase)
+        self.drafter: DraftModel | None = None  # a model-drafting speculation's (the draft_model phase)
         # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
         phases: dict[str, Callable[[], None]] = {
-            "weights": lambda: self._load_weights(model_dir),
+            "weights": lambda: self._load_weights(model_dir, model_config),
             "pool": lambda: self._make_pool(model_dir, kv_memory, host_memory),
             "kernels": self._choose_kernels,
             "graphs": self._capture_graphs,
@@ -199,24 +202,31 @@ class Engine:
         self._log_ready(startup_s)
 
     def _load_draft_model(self) -> None:
-        """STANDALONE speculation's draft model, in an engine of its own over a pool of this one's page ids."""
-        if (path := self.config.speculative_draft_model_path) is None:
+        """A model-drafting speculation's draft model or head, in an engine of its own over a pool of this one's
+        page ids. A head runs eager (its features are set before each forward) and over the target's context."""
+        config = self.config
+        if (path := config.speculative_draft_model_path) is None:
             return
+        folder = resolve_model_dir(path)
         draft_config = replace(
-            self.config, num_pages=self.num_pages, speculative_algorithm=None, speculative_draft_model_path=None, hierarchical_cache=False
+            config, num_pages=self.num_pages, speculative_algorithm=None, speculative_draft_model_path=None, hierarchical_cache=False
         )
-        draft = Engine(resolve_model_dir(path), draft_config, SINGLE, self.device)
+        head = None
+        if config.speculative_algorithm != "STANDALONE":
+            head = replace(ModelConfig.load(folder), architecture=config.speculative_algorithm, max_position=self.model_config.max_position)
+            draft_config = replace(draft_config, cuda_graph_max_bs=0, cuda_graph_max_prefill_tokens=0)
+        draft = Engine(folder, draft_config, SINGLE, self.device, model_config=head)
         if draft.model_config.vocab_size != self.model_config.vocab_size or draft.max_pages_per_seq < self.max_pages_per_seq:
             raise ValueError(f"the draft model {path} needs the target's vocabulary and at least its context")
-        self.drafter = DraftModel(draft)
+        self.drafter = DraftModel(draft) if head is None else EagleDraft(draft, self)
 
-    def _load_weights(self, model_dir: Path) -> None:
+    def _load_weights(self, model_dir: Path, model_config: ModelConfig | None) -> None:
         """The checkpoint's config, the dtypes of the weights and the KV cache, and the model's weights
         (this rank's shard), made batch-invariant under deterministic inference."""
         config, tp = self.config, self.tp
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        self.model_config = cfg = ModelConfig.load(model_dir)
+        self.model_config = cfg = model_config or ModelConfig.load(model_dir)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         if config.deterministic and (cfg.moe is not None or cfg.fp8 is not None):  # expert GEMMs take rows by routing; FP8 scales span rows
@@ -375,7 +385,7 @@ class Engine:
         return int(budget // page_bytes) - 1
 
     def draft_cost(self) -> tuple[int, int]:
-        """STANDALONE: the draft model's weights (dense, in this engine's dtype, with a tenth more for its
+        """A draft model's or head's weights (dense, in this engine's dtype, with a tenth more for its
         activations and graphs) and its KV bytes a page of this pool's; (0, 0) without a draft model."""
         if (path := self.config.speculative_draft_model_path) is None:
             return 0, 0
@@ -523,6 +533,8 @@ class Engine:
             self.attention.prepare(step.meta)
             hidden = self.model(batch, self.attention)
         self._prompt_logprobs(plan, step, hidden)
+        if self.drafter is not None:
+            self.drafter.take_features(plan, step, hidden)
         return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
 
     def _prompt_logprobs(self, plan: StepPlan, step: HostStep, hidden: torch.Tensor) -> None:
@@ -617,7 +629,7 @@ class Engine:
         scheduler to adopt."""
         self._read_all()
         if self.drafter is not None:
-            self.drafter.engine.reset()
+            self.drafter.reset()
         if self.tiers is not None:  # the host tier's index is complete for the scheduler that adopts it
             self.tiers.finish_stores(wait=True)
         ps = self.config.page_size
@@ -634,48 +646,3 @@ class Engine:
         self.slots.clear()
         self.grammars.clear()
         return held
-
-
-class DraftModel:
-    """STANDALONE drafts: a smaller model of the target's vocabulary, in an Engine of its own that mirrors the
-    target's slots and page tables (its own pool under the same page ids). A cached prefix's pages may hold no
-    draft KV, so a slot's draft KV is computed from its first token at its first draft, and caught up to the
-    target's tokens before each draft after. Its draws take the request's own sampling and seed: a draft model
-    that is the target draws what the target will."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-
-    def mirror(self, plan: StepPlan) -> None:
-        """The plan's freed and new slots and their pages, as the target applied them (no grammar: the draft
-        model draws freely, and the target's verify rows carry the grammar's masks)."""
-        new = [replace(n, cached=0, params=replace(n.params, guide=None)) for n in plan.new_slots]
-        self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
-
-    def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> StepPlan:
-        """The plan with its DRAFT_HERE tokens drawn: one step over each drafted slot's tokens the draft model
-        lacks, then a decode step for each draft token after the first, read once all are queued."""
-        asks = [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
-        if not asks:
-            return plan
-        engine, catch_up = self.engine, []
-        for _, chunk in asks:
-            target, mine = targets[chunk.slot], engine.slots[chunk.slot]
-            mine.output_ids, mine.sampled = list(target.output_ids), len(target.output_ids)
-            known = target.prompt_ids + target.output_ids
-            catch_up.append(Chunk(chunk.slot, known[int(engine.lengths[chunk.slot]) :], True))
-        steps = [engine.launch(StepPlan(chunks=catch_up))]
-        for j in range(1, max(c.drafts for _, c in asks)):
-            steps.append(engine.launch(StepPlan(decodes=[c.slot for _, c in asks if c.drafts > j])))
-        drawn: dict[int, list[int]] = {c.slot: [] for _, c in asks}
-        for step in steps:
-            for sampled in step.result():
-                drawn[sampled.slot].append(sampled.token)
-        chunks = list(plan.chunks)
-        for i, chunk in asks:
-            chunks[i] = replace(chunk, token_ids=chunk.token_ids[: -chunk.drafts] + drawn[chunk.slot])
-        return replace(plan, chunks=chunks)
-
-    def kept(self, slot: int, length: int) -> None:
-        """The target kept KV for `length` tokens of the slot: the draft KV past it is void."""
-        self.engine.lengths[slot] = min(int(self.engine.lengths[slot]), length)

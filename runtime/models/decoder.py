@@ -159,6 +159,9 @@ class DecoderModel(nn.Module):
 
 class DecoderForCausalLM(nn.Module):
     fused_ops: str  # the name of the fused ops it runs with, which build_model sets
+    shared_with_target: tuple[str, ...] = ()  # a draft head's parameters that are its target's (not in its checkpoint)
+    capture: tuple[int, ...] = ()  # for an EAGLE-3 head: layers whose input (the hidden state so far) forward keeps
+    captured: torch.Tensor  # ... side by side, in capture's order (index len(layers): the last layer's output)
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
@@ -179,13 +182,23 @@ class DecoderForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         h, residual = self.model.embed_tokens(batch.input_ids), None
         rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
+        states: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
+            if index in self.capture:
+                states[index] = h if residual is None else h + residual
             if batch.before_layer is not None:
                 batch.before_layer(index)
             h, residual = layer(h, residual, rope, batch, backend)
             if batch.between_layers is not None and batch.between_layers():
                 raise StepAbandoned
+        if self.capture:
+            states[len(self.model.layers)] = h if residual is None else h + residual
+            self.captured = torch.cat([states[index] for index in self.capture], dim=-1)
         return self.model.norm(h) if residual is None else self.model.norm(h, residual)[0]
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """The parameter a checkpoint tensor loads into, by its name there (a draft head's differ); None: unused."""
+        return name
 
     def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:
         """(the sparse layers, tokens per expert [layers, experts]) since the last call; None when dense."""

@@ -70,10 +70,12 @@ def build_model(
     return model.eval()
 
 
-def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, Any], torch.Tensor], fp8: Fp8Config | None) -> None:
+def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callable[[str, Any], torch.Tensor], fp8: Fp8Config | None) -> None:
     """Each tensor through `shard` (name, safetensors slice) -> what this rank keeps of it. An FP8
-    checkpoint's quantized weights are dequantized whole with their block scales, then sharded."""
+    checkpoint's quantized weights are dequantized whole with their block scales, then sharded. A draft
+    head's checkpoint may be a pytorch_model.bin instead."""
     params = dict(model.named_parameters())  # tied weights appear once
+    shared = set(model.shared_with_target)
     shards: dict[str, tuple[int, ...]] = {
         f"{prefix}.{kind}": module.shard_sizes  # pyright: ignore[reportAssignmentType]  # set by the layers (decoder.py)
         for prefix, module in model.named_modules()
@@ -98,15 +100,17 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
 
     missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
     stacked_experts = {f"{prefix}.{kind}" for prefix in experts for kind in ("gate_up_proj", "down_proj")}
-    missing |= set(params) - set(shards) - stacked_experts
+    missing |= set(params) - set(shards) - stacked_experts - shared
     for prefix, module in experts.items():
         missing |= {f"{prefix}.{e}.{part}.weight" for e in range(module.num_experts) for part in EXPERT_PARTS}
     files = sorted(model_dir.glob("*.safetensors"))
+    if not files and model.shared_with_target and (model_dir / "pytorch_model.bin").exists():
+        files = [model_dir / "pytorch_model.bin"]
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
     unknown = []
     with torch.no_grad(), contextlib.ExitStack() as stack:
-        handles = [stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
+        handles = [_BinFile(file) if file.suffix == ".bin" else stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
         # a quantized weight's block scales, wherever they sit (another file of the checkpoint may hold them)
         scales = {name: f for f in handles for name in f.keys() if name.endswith(SCALE_SUFFIX)} if fp8 is not None else {}
 
@@ -119,10 +123,12 @@ def _load_safetensors(model: nn.Module, model_dir: Path, shard: Callable[[str, A
             return dequantize_blockwise(f.get_tensor(name), scales[scale_name(name)].get_tensor(scale_name(name)), fp8.weight_block)
 
         for f in handles:
-            for name in f.keys():
+            for stored in f.keys():
+                if (name := model.checkpoint_name(stored)) is None or name in shared:
+                    continue
                 if (found := destination(name)) is not None:
                     key, target = found
-                    target.copy_(shard(name, read(name, f)))
+                    target.copy_(shard(name, read(stored, f)))
                     missing.discard(key)
                 elif not name.endswith(IGNORED) and name not in scales:
                     unknown.append(name)
@@ -138,7 +144,34 @@ def _random_weights(model: nn.Module) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif name.endswith("bias"):
+            elif name.endswith("bias") or not param.is_floating_point():  # an index table (an EAGLE-3 head's d2t): no offsets
                 param.zero_()
             else:
                 param.normal_(0.0, 0.02, generator=torch.Generator(device=param.device).manual_seed(len(name)))
+
+
+class _BinFile:
+    """A pytorch_model.bin, read whole, in the calls made here of a safetensors handle (EAGLE heads ship so)."""
+
+    def __init__(self, path: Path) -> None:
+        self.tensors: dict[str, torch.Tensor] = torch.load(path, map_location="cpu", weights_only=True)
+
+    def keys(self) -> list[str]:
+        return list(self.tensors)
+
+    def get_slice(self, name: str) -> _BinSlice:
+        return _BinSlice(self.tensors[name])
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.tensors[name]
+
+
+class _BinSlice:
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+    def get_dtype(self) -> str:
+        return str(self.tensor.dtype)
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        return self.tensor[index]

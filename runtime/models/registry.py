@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from runtime.models.decoder import DecoderForCausalLM
+from runtime.models.eagle import Eagle3Head, EagleHead
 
 MODELS: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
@@ -10,4 +11,6 @@ MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
+    "EAGLE": EagleHead,  # draft heads, by --speculative-algorithm: their checkpoints' architectures name the target's
+    "EAGLE3": Eagle3Head,
 }

@@ -10,7 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from runtime.config import EngineConfig
+from runtime.config import MODEL_DRAFTS, EngineConfig
 from runtime.sampling_params import SamplingParams
 from runtime.scheduler.ngram import ngram_draft
 from runtime.scheduler.pages import PageAllocator
@@ -278,7 +278,7 @@ class Scheduler:
         )
         if room <= 0:
             return []
-        if cfg.speculative_algorithm == "STANDALONE":  # the engine's draft model fills them in
+        if cfg.speculative_algorithm in MODEL_DRAFTS:  # the engine's draft model fills them in
             return [DRAFT_HERE] * room
         started = time.perf_counter()
         draft = ngram_draft(request.tokens, room, cfg.speculative_ngram_min_match_window_size, cfg.speculative_ngram_max_match_window_size)
