@@ -1,19 +1,22 @@
-"""Speculative decoding on an input-grounded task, against plain decoding, side by side: one request at a
-time asks the model to repeat a ~500-token text, or to repeat it with one word changed; each arm is an `LLM`
-built from the same flags but --speculative-algorithm. Per task and arm: output tokens, seconds, tokens/s (best
-of --rounds, the arms alternating), and for speculation the verify steps, the draft tokens kept and the tokens a
-verify step gave. Greedy, so both arms must give the same tokens; the record says whether they did.
+"""Speculative decoding against plain decoding, on an input-grounded task: requests ask the model to repeat a
+~500-token text, or to repeat it with one word changed. Each arm is an `LLM` built from the same engine flags
+plus the arm's own (--arm NAME='FLAGS', any number; the plain arm drops --speculative-algorithm). Arms run one
+after another, one engine on the device at a time. Per arm, task and batch size (that many copies of the
+request at once): output tokens, seconds and tokens/s (best of --rounds, after a warm-up run), the ratio to
+plain, and for speculation the verify steps and the tokens a verify step gave a request (its acceptance
+length). Greedy, so every arm must give plain's tokens; the record says whether it did.
 
-    python -m benchmarks.speculative [--model DIR] [--max-tokens 600] [--rounds 3] [--out FILE] [ENGINE FLAGS]
+    python -m benchmarks.speculative [--model DIR] [--max-tokens 600] [--rounds 3] [--batch-sizes 1,8]
+        [--tasks repeat,edit] [--ignore-eos] [--arm NAME='FLAGS' ...] [--out FILE] [ENGINE FLAGS]
 
-ENGINE FLAGS are `ringllm serve`'s (EngineConfig's), for both arms; the plain arm runs without
---speculative-algorithm, the other with it (NGRAM unless given)
+Without --arm, one arm speculates with the engine flags' --speculative-algorithm, NGRAM unless given.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import shlex
 import sys
 import time
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import torch
 
 from benchmarks.provenance import machine, provenance
 from runtime import LLM, SamplingParams
@@ -61,66 +65,110 @@ TASKS = {
 }
 
 
-def run(llm: LLM, prompt: list[int], max_tokens: int) -> tuple[list[int], float]:
-    started = time.perf_counter()
-    (output,) = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0))
-    return output.token_ids, time.perf_counter() - started
+def _csv(kind: type) -> Any:
+    return lambda text: [kind(item) for item in text.split(",") if item]
+
+
+def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, EngineConfig]]:
+    """The benchmark's arguments and each arm's engine configuration, plain first."""
+    p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n\n")[0])  # pyright: ignore[reportOptionalMemberAccess]
+    p.add_argument("--model", type=Path, default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--max-tokens", type=int, default=600)
+    p.add_argument("--rounds", type=int, default=3, help="timed runs of each arm, task and batch size; the best counts")
+    p.add_argument("--batch-sizes", type=_csv(int), default=[1], help="comma-separated: copies of a request run at once")
+    p.add_argument("--tasks", type=_csv(str), default=list(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
+    p.add_argument("--ignore-eos", action="store_true", help="every request decodes --max-tokens (random weights)")
+    p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS", help="engine flags of a speculative arm")
+    p.add_argument("--out", type=Path)
+    args, engine_argv = p.parse_known_args(argv)
+    if unknown := set(args.tasks) - set(TASKS):
+        p.error(f"unknown tasks {sorted(unknown)}")
+    engine = argparse.ArgumentParser(prog="ENGINE FLAGS")
+    EngineConfig.add_cli_args(engine)
+    base = EngineConfig.from_cli_args(engine.parse_args(engine_argv))
+    arms = {"plain": dataclasses.replace(base, speculative_algorithm=None, speculative_draft_model_path=None)}
+    algorithm = base.speculative_algorithm or "NGRAM"
+    for arm in args.arm or [f"{algorithm.lower()}=--speculative-algorithm {algorithm}"]:
+        name, sep, flags = arm.partition("=")
+        if not sep or name in arms:
+            p.error(f"--arm {arm!r}: give NAME=FLAGS, a name once")
+        arms[name] = EngineConfig.from_cli_args(engine.parse_args(engine_argv + shlex.split(flags)))
+    args.engine_argv = engine_argv
+    return args, arms
+
+
+def measure(llm: LLM, prompt: list[int], batch: int, args: argparse.Namespace) -> dict[str, Any]:
+    """`batch` copies of the prompt at once: a warm-up, then the best of --rounds; the verify steps and the
+    tokens they kept, per round."""
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=args.ignore_eos)
+    stats = llm.engine.speculation
+    llm.generate([prompt] * batch, params)
+    before, best = (stats.steps, stats.kept), float("inf")
+    for _ in range(args.rounds):
+        llm.flush_cache()
+        started = time.perf_counter()
+        outputs = llm.generate([prompt] * batch, params)
+        best = min(best, time.perf_counter() - started)
+    steps, kept = (stats.steps - before[0]) / args.rounds, (stats.kept - before[1]) / args.rounds
+    tokens = sum(len(o.token_ids) for o in outputs)
+    return {
+        "output_tokens": tokens,
+        "seconds": round(best, 3),
+        "tok_per_s": round(tokens / best, 1),
+        "verify_steps": round(steps, 1),
+        "tokens_per_verify_step": round((kept + steps) / steps, 2) if steps else None,
+        "token_ids": [o.token_ids for o in outputs],
+    }
+
+
+def run_arm(name: str, config: EngineConfig, model: Path, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Build the arm's LLM, measure every task and batch size, and free the device for the next arm."""
+    print(f"speculative: arm {name}: {shlex.join(config.to_cli_args())}", file=sys.stderr, flush=True)
+    llm = LLM(model, config)
+    if llm.tokenizer is None:
+        raise SystemExit(f"{model} has no tokenizer: the tasks are text")
+    figures: dict[str, Any] = {}
+    for task in args.tasks:
+        chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}], add_generation_prompt=True, tokenize=False)
+        prompt = llm.tokenizer.encode(chat, add_special_tokens=False)
+        figures[task] = {}
+        for batch in args.batch_sizes:
+            cell = figures[task][str(batch)] = {"prompt_tokens": len(prompt), **measure(llm, prompt, batch, args)}
+            gave = cell["tokens_per_verify_step"]
+            print(f"speculative: arm {name} {task} x{batch}: {cell['tok_per_s']} tok/s, {gave} a verify step", file=sys.stderr, flush=True)
+    record = dataclasses.asdict(llm.config)
+    llm.close()
+    del llm
+    gc.unfreeze()  # the LLM froze its start-up heap; its engine's cycles must be collectable to free the device
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return figures, record
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = sys.argv[1:] if argv is None else list(argv)
-    p = argparse.ArgumentParser(prog="python -m benchmarks.speculative", description=__doc__.split("\n\n")[0])  # pyright: ignore[reportOptionalMemberAccess]
-    p.add_argument("--model", type=Path, default=None, help="a model folder (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--max-tokens", type=int, default=600)
-    p.add_argument("--rounds", type=int, default=3, help="timed runs of each arm and task, alternating; the best counts")
-    p.add_argument("--out", type=Path)
-    EngineConfig.add_cli_args(p)
-    args = p.parse_args(argv)
+    args, arms = parse(argv)
     model = args.model or default_model_dir()
-    config = EngineConfig.from_cli_args(args)
-    plain = LLM(model, config, speculative_algorithm=None)
-    spec = LLM(model, config, speculative_algorithm=config.speculative_algorithm or "NGRAM")
-    tokenizer = plain.tokenizer
-    if tokenizer is None:
-        raise SystemExit(f"{model} has no tokenizer: the tasks are text")
-    tasks: dict[str, Any] = {}
-    for name, content in TASKS.items():
-        chat = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer.encode(chat, add_special_tokens=False)
-        best = {"plain": float("inf"), "speculative": float("inf")}
-        outputs: dict[str, list[int]] = {}
-        before = (spec.engine.speculation.steps, spec.engine.speculation.kept)
-        for _ in range(args.rounds):
-            for arm, llm in (("plain", plain), ("speculative", spec)):
-                outputs[arm], seconds = run(llm, prompt, args.max_tokens)
-                best[arm] = min(best[arm], seconds)
-        steps = (spec.engine.speculation.steps - before[0]) / args.rounds
-        kept = (spec.engine.speculation.kept - before[1]) / args.rounds
-        tokens = len(outputs["speculative"])
-        tasks[name] = {
-            "prompt_tokens": len(prompt),
-            "text_tokens": len(tokenizer.encode(TEXT, add_special_tokens=False)),
-            "output_tokens": {arm: len(ids) for arm, ids in outputs.items()},
-            "same_tokens": outputs["plain"] == outputs["speculative"],
-            "seconds": {arm: round(s, 3) for arm, s in best.items()},
-            "tok_per_s": {arm: round(len(outputs[arm]) / s, 1) for arm, s in best.items()},
-            "speedup": round(best["plain"] / best["speculative"] * tokens / max(len(outputs["plain"]), 1), 3),
-            "verify_steps": round(steps, 1),
-            "draft_tokens_kept": round(kept, 1),
-            "tokens_per_verify_step": round((kept + steps) / steps, 2) if steps else None,
-        }
+    measured = {name: run_arm(name, config, model, args) for name, config in arms.items()}
+    plain = {task: {batch: cell["token_ids"] for batch, cell in cells.items()} for task, cells in measured["plain"][0].items()}
+    results = {name: figures for name, (figures, _) in measured.items()}
+    cells = [(name, task, batch, results[name][task][str(batch)]) for name in results for task in args.tasks for batch in args.batch_sizes]
+    for _, task, batch, cell in cells:
+        cell["same_tokens"] = cell.pop("token_ids") == plain[task][str(batch)]
+        cell["speedup"] = round(cell["tok_per_s"] / results["plain"][task][str(batch)]["tok_per_s"], 3)
     record = {
         **provenance(),
         "machine": machine(),
         "command": shlex.join(["python", "-m", "benchmarks.speculative", *argv]),
         "model": str(model),
-        "config": {"plain": dataclasses.asdict(plain.config), "speculative": dataclasses.asdict(spec.config)},
-        "tasks": tasks,
+        "config": {name: config for name, (_, config) in measured.items()},
+        "results": results,
     }
-    for name, task in tasks.items():
+    for name, task, batch, cell in cells:
         print(
-            f"{name}: plain {task['tok_per_s']['plain']} tok/s, NGRAM {task['tok_per_s']['speculative']} tok/s "
-            f"({task['speedup']}x), {task['tokens_per_verify_step']} tokens a verify step, same tokens: {task['same_tokens']}"
+            f"{name} {task} x{batch}: {cell['tok_per_s']} tok/s ({cell['speedup']}x plain), "
+            f"{cell['tokens_per_verify_step']} tokens a verify step, same tokens: {cell['same_tokens']}"
         )
     line = orjson.dumps(record).decode()
     print(line)

@@ -779,11 +779,11 @@ def test_eagle_heads_on_cuda_change_no_token(tmp_path, kind):
     inference a verify row's logits are a decode's bit for bit): the tokens of plain decoding."""
     from tests.tiny_models import build_eagle_head
 
-    model_dir = build("llama", tmp_path / "target")
+    model_dir = build("llama", tmp_path / "target", hidden_size=256, intermediate_size=512)  # head dim 64: FA3's, for deterministic
     head = build_eagle_head(kind, model_dir, tmp_path / kind)
     prompts = [[int(t) for t in np.random.default_rng(n).integers(3, 500, n)] for n in (20, 33, 7)]
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    options = {"device": "cuda", "deterministic": True}
+    options = {"device": "cuda", "deterministic": True, "num_pages": 256}
     plain = LLM(model_dir, **options).generate(prompts, params)
     llm = LLM(model_dir, **options, speculative_algorithm=kind, speculative_draft_model_path=str(head))
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
