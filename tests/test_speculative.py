@@ -249,17 +249,19 @@ def test_two_ranks_speculate_as_one(looping):
         spec.close()
 
 
-@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
-def test_eagle_heads_load_from_their_published_layouts_and_change_no_token(tiny_model, tmp_path, kind):
-    """Random EAGLE and EAGLE-3 heads, saved as the published ones are, draft for the tiny Llama: their weights are
-    the checkpoint's, every draft step catches the head up on the target's features, and the output is plain
-    decoding's, greedy and seeded."""
+@pytest.mark.parametrize(
+    "kind, draft_vocab", [("EAGLE", None), ("EAGLE3", 200), ("EAGLE3", None)], ids=["EAGLE", "EAGLE3", "EAGLE3-full-vocab"]
+)
+def test_eagle_heads_load_from_their_published_layouts_and_change_no_token(tiny_model, tmp_path, kind, draft_vocab):
+    """Random EAGLE and EAGLE-3 heads, saved as the published ones are (an EAGLE-3 head over a draft vocabulary with
+    its id map, or over the whole one without), draft for the tiny Llama: their weights are the checkpoint's, and
+    the output is plain decoding's, greedy and seeded."""
     from safetensors.torch import load_file
 
     from tests.tiny_models import build_eagle_head
 
     model = tiny_model("llama")
-    head_dir = build_eagle_head(kind, model, tmp_path / kind)
+    head_dir = build_eagle_head(kind, model, tmp_path / kind, draft_vocab=draft_vocab)
     prompts = [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 33, 7)]
     for params in (SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), SEEDED):
         plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
@@ -275,7 +277,8 @@ def test_eagle_heads_load_from_their_published_layouts_and_change_no_token(tiny_
     assert torch.equal(head.fc.weight, stored["fc.weight"])
     assert head.model.embed_tokens is llm.engine.model.model.embed_tokens  # the target's, not a copy
     if kind == "EAGLE3":
-        assert torch.equal(head.d2t, stored["d2t"]) and llm.engine.model.capture == (1, 1, 2)
+        assert torch.equal(head.d2t, stored["d2t"] if draft_vocab else torch.zeros(512, dtype=torch.int64))
+        assert llm.engine.model.capture == (1, 1, 2)
 
 
 def reference_drafts(kind: str, target: Path, head_dir: Path, prompt: list[int], drawn: int, count: int) -> list[int]:
@@ -347,3 +350,57 @@ def test_an_eagle_heads_drafts_are_the_heads_own_arithmetic(tiny_model, tmp_path
     verifies = [chunk.token_ids for plan in seen for chunk in plan.chunks if chunk.drafts]
     assert verifies[0][0] == output.token_ids[0]
     assert verifies[0][1:] == reference_drafts(kind, model, head_dir, prompt, output.token_ids[0], 4)
+
+
+@pytest.mark.parametrize("kind", ["EAGLE", "EAGLE3"])
+def test_an_eagle_head_catches_up_in_prefill_sized_steps_and_redoes_rows_read_before_their_features(tiny_model, tmp_path, kind):
+    """Requests through a pool so small that some are preempted and prefill again, the last chunk of that carrying
+    a draft: the head's catch-up steps stay within --max-prefill-tokens, a head row read with a zero feature whose
+    target feature came with that step is redone with it at the next draft, and the output is plain decoding's."""
+    from runtime.engine.drafts import EagleDraft
+    from tests.tiny_models import build_eagle_head
+
+    model = tiny_model("llama")
+    head_dir = build_eagle_head(kind, model, tmp_path / kind)
+    prompts = [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (30, 31, 32, 33, 29, 40)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    options = dict(dtype="float32", page_size=4, num_pages=40, max_prefill_tokens=16)
+    plain = LLM(model, **options).generate(prompts, params)
+    llm = LLM(model, **options, speculative_algorithm=kind, speculative_draft_model_path=str(head_dir))
+    drafter = llm.engine.drafter
+    assert isinstance(drafter, EagleDraft)
+    rows, zeros, features = [], {}, {}  # per head step; slot -> positions read with a zero feature; slot -> positions given
+    launch, catch_up, take, mirror = drafter.engine.launch, drafter._catch_up, drafter.take_features, drafter.mirror
+
+    def counting_launch(plan):
+        rows.append(sum(len(c.token_ids) for c in plan.chunks))
+        return launch(plan)
+
+    def watched_catch_up(slot, target):
+        tokens, given = catch_up(slot, target)
+        begin = int(drafter.engine.lengths[slot])
+        assert given is not None
+        blank = {begin + i for i, row in enumerate(given) if not row.any()}
+        read = set(range(begin, begin + len(given))) - blank
+        came = features.get(slot, set())
+        assert not (blank & came), "a row is read with a zero feature after its feature came"
+        assert zeros.get(slot, set()) & came <= read, "a row read with a zero feature is not redone once its feature came"
+        zeros[slot], features[slot] = blank, set()
+        return tokens, given
+
+    def watched_take(plan, step, hidden):
+        take(plan, step, hidden)
+        for i, chunk in enumerate(plan.chunks):
+            first = int(step.positions[int(step.qo_indptr[i])])
+            features.setdefault(chunk.slot, set()).update(range(first, first + len(chunk.token_ids)))
+
+    def watched_mirror(plan):
+        mirror(plan)
+        for slot in [*plan.freed, *(n.slot for n in plan.new_slots)]:  # another request's slot now
+            features.pop(slot, None)
+            zeros.pop(slot, None)
+
+    drafter.engine.launch, drafter._catch_up, drafter.take_features = counting_launch, watched_catch_up, watched_take  # pyright: ignore[reportAttributeAccessIssue]
+    drafter.mirror = watched_mirror  # pyright: ignore[reportAttributeAccessIssue]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    assert max(rows) <= 16 and llm.scheduler.preemptions > 0

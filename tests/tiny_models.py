@@ -74,7 +74,7 @@ def build(name: str, folder: Path, **overrides) -> Path:
     return folder
 
 
-def build_eagle_head(kind: str, target: Path, folder: Path, draft_vocab: int = 200, aux_layers: tuple[int, ...] = (0, 0, 1)) -> Path:
+def build_eagle_head(kind: str, target: Path, folder: Path, draft_vocab: int | None = 200, aux_layers: tuple[int, ...] = (0, 0, 1)) -> Path:
     """A random draft head for the tiny model at `target`, in the layout its kind is published in: EAGLE (one
     layer named `layers.0.*` without an input norm, `fc` with a bias, the embedding copied in, as a
     pytorch_model.bin) or EAGLE-3 (`midlayer.*` reading 2h, `fc` over three target layers, its own `norm` and
@@ -111,18 +111,19 @@ def build_eagle_head(kind: str, target: Path, folder: Path, draft_vocab: int = 2
         tensors |= {"fc.weight": rand(h, 2 * h), "fc.bias": rand(h), "embed_tokens.weight": embed.clone()}
         torch.save(tensors, folder / "pytorch_model.bin")
     else:
-        ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
         tensors |= {
             f"{prefix}.input_layernorm.weight": 1 + rand(h) / 3,
             f"{prefix}.hidden_norm.weight": 1 + rand(h) / 3,
             "fc.weight": rand(h, 3 * h),
             "norm.weight": 1 + rand(h) / 3,
-            "lm_head.weight": rand(draft_vocab, h),
-            "d2t": ids - torch.arange(draft_vocab),
-            "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True),
+            "lm_head.weight": rand(draft_vocab or vocab, h),
         }
+        head["architectures"] = ["LlamaForCausalLMEagle3"]
+        if draft_vocab:  # else a head over the target's whole vocabulary, with no id map
+            ids = torch.randperm(vocab, generator=generator)[:draft_vocab].sort().values
+            tensors |= {"d2t": ids - torch.arange(draft_vocab), "t2d": torch.zeros(vocab, dtype=torch.bool).index_fill_(0, ids, True)}
+            head["draft_vocab_size"] = draft_vocab
         save_file(tensors, str(folder / "model.safetensors"))
-        head |= {"architectures": ["LlamaForCausalLMEagle3"], "draft_vocab_size": draft_vocab}
         head |= {"eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_layers)}}
     (folder / "config.json").write_text(json.dumps(head))
     return folder

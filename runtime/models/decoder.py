@@ -160,6 +160,7 @@ class DecoderModel(nn.Module):
 class DecoderForCausalLM(nn.Module):
     fused_ops: str  # the name of the fused ops it runs with, which build_model sets
     shared_with_target: tuple[str, ...] = ()  # a draft head's parameters that are its target's (not in its checkpoint)
+    optional_weights: tuple[str, ...] = ()  # a draft head's parameters its checkpoint may leave out (then zeros)
     capture: tuple[int, ...] = ()  # for an EAGLE-3 head: layers whose input (the hidden state so far) forward keeps
     captured: torch.Tensor  # ... side by side, in capture's order (index len(layers): the last layer's output)
 

@@ -83,6 +83,7 @@ class Eagle3Layer(DecoderLayer):
 
 class Eagle3Head(DecoderForCausalLM):
     shared_with_target = ("model.embed_tokens.weight",)
+    optional_weights = ("d2t",)  # a head over the whole vocabulary has none
 
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__(cfg, ops, tp)

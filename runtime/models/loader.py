@@ -100,12 +100,14 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
 
     missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
     stacked_experts = {f"{prefix}.{kind}" for prefix in experts for kind in ("gate_up_proj", "down_proj")}
-    missing |= set(params) - set(shards) - stacked_experts - shared
+    optional = set(model.optional_weights)
+    missing |= set(params) - set(shards) - stacked_experts - shared - optional
+    loaded: set[str] = set()
     for prefix, module in experts.items():
         missing |= {f"{prefix}.{e}.{part}.weight" for e in range(module.num_experts) for part in EXPERT_PARTS}
     files = sorted(model_dir.glob("*.safetensors"))
-    if not files and model.shared_with_target and (model_dir / "pytorch_model.bin").exists():
-        files = [model_dir / "pytorch_model.bin"]
+    if not files and model.shared_with_target:  # a draft head: maybe a pytorch_model.bin, whole or in shards
+        files = sorted(model_dir.glob("pytorch_model*.bin"))
     if not files:
         raise FileNotFoundError(f"no .safetensors files in {model_dir}")
     unknown = []
@@ -130,10 +132,13 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
                     key, target = found
                     target.copy_(shard(name, read(stored, f)))
                     missing.discard(key)
+                    loaded.add(key)
                 elif not name.endswith(IGNORED) and name not in scales:
                     unknown.append(name)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
+    for name in optional - loaded:
+        params[name].zero_()
     if unknown:  # a tensor the model has no place for would be silently lost: a wrong model
         raise ValueError(f"{model_dir} has weights this model does not use: {sorted(unknown)[:5]}")
     log.info("weights_loaded", model_dir=str(model_dir), files=len(files))

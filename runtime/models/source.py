@@ -24,7 +24,10 @@ def resolve_model_dir(name_or_path: str | None) -> Path:
     from huggingface_hub import snapshot_download
 
     patterns = ["*.json", "*.safetensors", "*.jinja", "tokenizer*", "*.model", "*.txt"]
-    return Path(snapshot_download(name_or_path, allow_patterns=patterns))
+    folder = Path(snapshot_download(name_or_path, allow_patterns=patterns))
+    if not any(folder.glob("*.safetensors")):  # an older checkpoint (EAGLE heads among them) ships pytorch_model.bin
+        folder = Path(snapshot_download(name_or_path, allow_patterns=[*patterns, "pytorch_model*.bin"]))
+    return folder
 
 
 @overload
