@@ -404,3 +404,27 @@ def test_an_eagle_head_catches_up_in_prefill_sized_steps_and_redoes_rows_read_be
     drafter.mirror = watched_mirror  # pyright: ignore[reportAttributeAccessIssue]
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     assert max(rows) <= 16 and llm.scheduler.preemptions > 0
+
+
+def test_a_lookup_that_finds_nothing_lets_the_request_decode_with_steps_in_flight(tiny_model):
+    """NGRAM over output that rarely repeats: after a lookup finds nothing, the request decodes as plain requests
+    do, with later steps planned before earlier ones answer, and looks again after a few; its tokens are plain
+    decoding's."""
+    from runtime.scheduler.scheduler import PLAIN_DECODES_AFTER_A_MISS
+
+    model = tiny_model("llama")
+    prompts = [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 9)]
+    params = SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
+    llm = LLM(model, dtype="float32", page_size=4, **SPEC)
+    plans, launch = [], llm.engine.launch
+
+    def watched(plan):
+        plans.append(plan)
+        return launch(plan)
+
+    llm.engine.launch = watched  # pyright: ignore[reportAttributeAccessIssue]
+    assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
+    decodes = sum(len(p.decodes) for p in plans)
+    misses = sum(1 for p in plans for c in p.chunks if len(c.token_ids) == 1 and not c.drafts)  # the prompts are longer
+    assert misses > 0 and decodes >= PLAIN_DECODES_AFTER_A_MISS * (misses - len(prompts))  # each one's last: cut by max_tokens

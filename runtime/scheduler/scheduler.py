@@ -19,6 +19,9 @@ from runtime.scheduler.tiers import TIER_NAMES, Tiers
 from runtime.step import DRAFT_HERE, MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
+# NGRAM found no draft: a lookup needs every token answered, which stalls the device between steps, so the
+# request decodes this many steps with the others in flight before it looks again
+PLAIN_DECODES_AFTER_A_MISS = 4
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Request:
     pin: bool = False  # a prefix warm-up: its prompt's whole pages stay cached until unpin_prefixes
     compiling: bool = False  # its grammar is compiling (runtime.structured.masks): it is not admitted yet
     fresh: int = 0  # tokens the latest update gave it (a speculative step gives several)
+    plain_decodes: int = 0  # NGRAM found no draft: decodes to plan with the steps in flight before the next lookup
 
     @property
     def tokens(self) -> list[int]:
@@ -152,9 +156,14 @@ class Scheduler:
         self.speculating = self.speculative and (limit is None or len(self.running) <= limit)
         for request in list(self.running):
             if self.speculating and request.decoding:  # back to drafting once its decodes in flight have answered
+                if request.plain_decodes and request.slot is not None and not self._fully_planned(request):
+                    if self._grow(request, 1, plan):  # after a lookup that found nothing: decodes, overlapped as plain ones
+                        self._feed(request, 1, plan)
+                        request.plain_decodes -= 1
+                    continue
                 if request.computed != len(request.tokens) - 1:
                     continue
-                request.decoding = False
+                request.decoding, request.plain_decodes = False, 0
             if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
                 continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
             prefilling = not request.decoding
@@ -168,6 +177,8 @@ class Scheduler:
             if self._grow(request, count + len(drafts), plan):
                 self._feed(request, count, plan, drafts)
                 budget -= count if prefilling and not drafting else 0
+                if drafting and not drafts and self.speculating:  # nothing to draft: some plain decodes before looking again
+                    request.decoding, request.plain_decodes = True, PLAIN_DECODES_AFTER_A_MISS
         history = 0
         for request in list(self.waiting):
             if budget <= 0 or not self._free_slots:
@@ -383,7 +394,7 @@ class Scheduler:
         assert request.slot is not None
         del self._by_slot[request.slot]
         self._free_slots.append(request.slot)
-        request.slot, request.decoding = None, False
+        request.slot, request.decoding, request.plain_decodes = None, False, 0
 
     def _drop_pages(self, request: Request) -> None:
         self.allocator.free(request.pages[request.shared_pages :])
