@@ -190,7 +190,7 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
 
 def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     server = two_workers
-    bodies = _bodies(32, 400, server.model)  # still running when the worker dies 0.3 s in, however slow its restart
+    bodies = _bodies(32, 400, server.model)  # still running when the worker dies, however slow its restart
     replays = server.log.read_bytes().count(b'"event":"replaying"')  # the earlier tests' tokenizer restart made one
 
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)  # before the load: the status
@@ -200,7 +200,12 @@ def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
             reference = await _load(http, bodies)
             load = asyncio.create_task(_load(http, bodies))
-            await asyncio.sleep(0.3)
+            for _ in range(200):  # the load's requests reach the scheduler first: on a busy machine that takes a while
+                async with http.get("/server_info") as response:
+                    counts = (await response.json())["scheduler"]
+                if counts["running"] + counts["waiting"] >= len(bodies):
+                    break
+                await asyncio.sleep(0.05)
             os.kill(victim, signal.SIGKILL)
             return reference, await load
 

@@ -1,5 +1,5 @@
 """EAGLE draft heads: a decoder layer that guesses the target's next token from the target's hidden state (its
-feature) at a position and the embedding of the token after it (runtime.engine.drafts.EagleDraft runs them).
+feature) at a position and the embedding of the token after it (runtime.engine.engine.EagleDraft runs them).
 Each head keeps the hidden state it hands on as the feature of its next row (`next_features`).
 
 EAGLE (1 and 2): `fc` over [embedding, feature] (2h -> h, with bias), then the layer, whose input norm is left
