@@ -195,6 +195,7 @@ def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
 
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)  # before the load: the status
     victim = next(r["pid"] for r in rows if r["name"] == "api1")  # command takes seconds to start on a loaded machine
+    engine = next(r["pid"] for r in rows if r["name"] == "engine")
 
     async def scenario():
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0, force_close=True)) as http:
@@ -206,7 +207,17 @@ def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
                 if counts["running"] + counts["waiting"] >= len(bodies):
                     break
                 await asyncio.sleep(0.05)
-            os.kill(victim, signal.SIGKILL)
+            # the engine paused until the scheduler has seen the death: however slowly a busy machine notices it,
+            # the dead worker's requests are still running then (a pause far below the hang timeout)
+            os.kill(engine, signal.SIGSTOP)
+            try:
+                os.kill(victim, signal.SIGKILL)
+                for _ in range(200):
+                    if b'"event":"orphans_aborted"' in server.log.read_bytes():
+                        break
+                    await asyncio.sleep(0.05)
+            finally:
+                os.kill(engine, signal.SIGCONT)
             return reference, await load
 
     reference, streams = asyncio.run(scenario())
