@@ -23,7 +23,7 @@ class NewSlot:
     cached: int  # leading tokens whose KV the slot's first pages already hold (prefix cache)
 
 
-DRAFT_HERE = -1  # a draft token the engine's draft model is to fill in (STANDALONE)
+DRAFT_HERE = -1  # a draft token the engine's draft model or head is to fill in (STANDALONE, EAGLE, EAGLE3)
 
 
 @dataclass(frozen=True)

@@ -680,10 +680,10 @@ class DraftModel:
             target, mine = targets[chunk.slot], self.engine.slots[chunk.slot]
             mine.output_ids, mine.sampled = list(target.output_ids), len(target.output_ids)
             tokens, features = self._catch_up(chunk.slot, target)
-            for start in range(0, len(tokens) - 1 - (len(tokens) - 1) % budget, budget):
+            last = (len(tokens) - 1) // budget * budget  # where the piece that draws begins
+            for start in range(0, last, budget):
                 piece = None if features is None else features[start : start + budget]
                 self._launch(StepPlan(chunks=[Chunk(chunk.slot, tokens[start : start + budget], False)]), [piece])
-            last = (len(tokens) - 1) // budget * budget
             ends.append((Chunk(chunk.slot, tokens[last:], True), None if features is None else features[last:]))
         steps: list[PendingStep] = []
         group: list[tuple[Chunk, torch.Tensor | None]] = []
@@ -754,7 +754,7 @@ class EagleDraft(DraftModel):
                 raise ValueError(f"the EAGLE-3 head reads layers {model.capture} of a {model.config.num_layers}-layer target")
             target.prefill_graphs = None  # a graph's replay would not set the layers' hidden states it keeps
             width *= len(model.capture)
-        self.features_of = (lambda hidden: model.captured) if isinstance(head, Eagle3Head) else (lambda hidden: hidden)
+        self.target_model = model
         self.width, self.dtype, self.device = width, target.dtype, target.device
         self.pending: dict[int, tuple[int, list[torch.Tensor]]] = {}  # slot -> (the first row's position, features [rows, width])
         self._last: dict[int, torch.Tensor] = {}  # slot -> the head's hidden state of its last row, the next row's feature
@@ -766,7 +766,7 @@ class EagleDraft(DraftModel):
             self.pending.pop(slot, None)
 
     def take_features(self, plan: StepPlan, step: HostStep, hidden: torch.Tensor) -> None:
-        features = self.features_of(hidden)
+        features = self.target_model.captured if self.target_model.capture else hidden  # EAGLE-3's layers, or the last
         for i, chunk in enumerate(plan.chunks):
             first, last = int(step.qo_indptr[i]), int(step.qo_indptr[i + 1])
             position, rows = int(step.positions[first]), features[first:last].clone()  # a graph's output is overwritten

@@ -6,8 +6,8 @@ keeper holds (actors.keeper), so that it outlives the engine, or the engine's ow
 and the copies run on a stream of their own, layer by layer: stretches of pages in a row as one copy
 each (the copy engines', beside the forward's kernels), the pages between them with sgl-kernel's
 page-transfer kernels where they are installed (one gather or scatter a layer, reading or writing host
-memory directly), else with torch's indexing; the step's forward waits for a layer's copies just before that layer, as SGLang's
-HiCache does. On CPU they are torch's indexing, run before the forward.
+memory directly), else with torch's indexing; the step's forward waits for a layer's copies just before
+that layer, as SGLang's HiCache does. On CPU they are torch's indexing, run before the forward.
 
 Ahead of the pages lies the index: what each host page holds (its chain key, the key before it, its place in
 the chain and its tokens), set as a store is queued and marked valid once it has run. A new scheduler

@@ -297,12 +297,13 @@ class GrammarMasks:
             self._batch = self._batch or xgr.BatchGrammarMatcher()
             self._batch.batch_fill_next_token_bitmask([state.matcher for _, _, state in live], bitmask, rows)
             allows = bitmask[rows].ne(0).any(dim=1).tolist()
-            for (_, slot, state), some in zip(live, allows):
+            masked = []
+            for (i, slot, state), some in zip(live, allows):
                 if not some:
                     self._fail(slot, state)
-            masked = [i for (i, _, _), some in zip(live, allows) if some]
-            for (_, slot, state), some in zip(live, allows):
-                if some and len(rows_of[slot]) > 1:
+                    continue
+                masked.append(i)
+                if len(rows_of[slot]) > 1:
                     masked += self._draft_masks(state, rows_of[slot], outputs, bitmask)
             if masked:
                 self._apply_masks(logits, bitmask, masked)
