@@ -10,6 +10,13 @@ length). Greedy, so every arm must give plain's tokens; the record says whether 
         [--tasks repeat,edit] [--ignore-eos] [--arm NAME='FLAGS' ...] [--out FILE] [ENGINE FLAGS]
 
 Without --arm, one arm speculates with the engine flags' --speculative-algorithm, NGRAM unless given.
+
+A draft of the target's first N layers (a STANDALONE checkpoint folder of N layers; with --dummy-weights each
+parameter's random values follow its name, so the two share them) agrees with the target as far as the later
+layers change the result: --residual-scales 1,0.1,0 --agree-layers N measures every case at each scale of the
+target's layers from N on (their output projections, o_proj and down_proj, multiplied in place; the largest
+scale first), which sets the acceptance length and leaves the target's cost as it is. At 0 the target is its
+first N layers.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import shlex
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import orjson
 import torch
@@ -29,6 +36,7 @@ import torch
 from benchmarks.provenance import machine, provenance
 from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
+from runtime.models.decoder import MLP, DecoderLayer
 from runtime.models.source import default_model_dir
 
 SENTENCES = (
@@ -78,11 +86,16 @@ def parse(argv: list[str]) -> tuple[argparse.Namespace, dict[str, EngineConfig]]
     p.add_argument("--batch-sizes", type=_csv(int), default=[1], help="comma-separated: copies of a request run at once")
     p.add_argument("--tasks", type=_csv(str), default=list(TASKS), help=f"comma-separated, of {', '.join(TASKS)}")
     p.add_argument("--ignore-eos", action="store_true", help="every request decodes --max-tokens (random weights)")
+    p.add_argument("--residual-scales", type=_csv(float), default=[1.0], help="comma-separated: scales of the later layers' output")
+    p.add_argument("--agree-layers", type=int, default=1, help="the layers --residual-scales leaves as they are")
     p.add_argument("--arm", action="append", default=[], metavar="NAME=FLAGS", help="engine flags of a speculative arm")
     p.add_argument("--out", type=Path)
     args, engine_argv = p.parse_known_args(argv)
     if unknown := set(args.tasks) - set(TASKS):
         p.error(f"unknown tasks {sorted(unknown)}")
+    args.residual_scales = sorted(set(args.residual_scales), reverse=True)
+    if args.residual_scales[0] > 1 or args.residual_scales[-1] < 0:
+        p.error("--residual-scales lie in [0, 1]")
     engine = argparse.ArgumentParser(prog="ENGINE FLAGS")
     EngineConfig.add_cli_args(engine)
     base = EngineConfig.from_cli_args(engine.parse_args(engine_argv))
@@ -102,6 +115,7 @@ def measure(llm: LLM, prompt: list[int], batch: int, args: argparse.Namespace) -
     tokens they kept, per round."""
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=args.ignore_eos)
     stats = llm.engine.speculation
+    llm.flush_cache()  # KV cached at another --residual-scales scale is not this one's
     llm.generate([prompt] * batch, params)
     before, best = (stats.steps, stats.kept), float("inf")
     for _ in range(args.rounds):
@@ -121,6 +135,31 @@ def measure(llm: LLM, prompt: list[int], batch: int, args: argparse.Namespace) -
     }
 
 
+def scale_residuals(llm: LLM, first: int, scale: float) -> None:
+    """Multiplies the output projections of the target's (and its draft model's) layers from `first` on by `scale`."""
+    engines = [llm.engine, *([llm.engine.drafter.engine] if llm.engine.drafter else [])]
+    for engine in engines:
+        layers = cast("list[DecoderLayer]", list(engine.model.model.layers))  # a ModuleList is typed as holding any Module
+        for layer in layers[first:]:
+            if not isinstance(layer.mlp, MLP):
+                raise SystemExit("--residual-scales takes a dense model")
+            layer.self_attn.o_proj.weight.mul_(scale)
+            layer.mlp.down_proj.weight.mul_(scale)
+
+
+def task_text(llm: LLM, task: str) -> str:
+    """The task as a chat's user turn, or as it is where the tokenizer has no chat template (a base model)."""
+    tokenizer = llm.tokenizer
+    assert tokenizer is not None  # run_arm checks
+    if getattr(tokenizer, "chat_template", None) is None:
+        return TASKS[task]
+    return tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}], add_generation_prompt=True, tokenize=False)
+
+
+def case_name(task: str, scale: float, args: argparse.Namespace) -> str:
+    return task if args.residual_scales == [1.0] else f"{task}@{scale:g}"
+
+
 def run_arm(name: str, config: EngineConfig, model: Path, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any]]:
     """Build the arm's LLM, measure every task and batch size, and free the device for the next arm."""
     print(f"speculative: arm {name}: {shlex.join(config.to_cli_args())}", file=sys.stderr, flush=True)
@@ -128,14 +167,23 @@ def run_arm(name: str, config: EngineConfig, model: Path, args: argparse.Namespa
     if llm.tokenizer is None:
         raise SystemExit(f"{model} has no tokenizer: the tasks are text")
     figures: dict[str, Any] = {}
-    for task in args.tasks:
-        chat = llm.tokenizer.apply_chat_template([{"role": "user", "content": TASKS[task]}], add_generation_prompt=True, tokenize=False)
-        prompt = llm.tokenizer.encode(chat, add_special_tokens=False)
-        figures[task] = {}
-        for batch in args.batch_sizes:
-            cell = figures[task][str(batch)] = {"prompt_tokens": len(prompt), **measure(llm, prompt, batch, args)}
-            gave = cell["tokens_per_verify_step"]
-            print(f"speculative: arm {name} {task} x{batch}: {cell['tok_per_s']} tok/s, {gave} a verify step", file=sys.stderr, flush=True)
+    current = 1.0
+    for scale in args.residual_scales:
+        if scale != current:
+            scale_residuals(llm, args.agree_layers, scale / current)
+            current = scale
+        for task in args.tasks:
+            prompt = llm.tokenizer.encode(task_text(llm, task), add_special_tokens=False)
+            case = figures[case_name(task, scale, args)] = {}
+            for batch in args.batch_sizes:
+                cell = case[str(batch)] = {"prompt_tokens": len(prompt), **measure(llm, prompt, batch, args)}
+                gave = cell["tokens_per_verify_step"]
+                label = case_name(task, scale, args)
+                print(
+                    f"speculative: arm {name} {label} x{batch}: {cell['tok_per_s']} tok/s, {gave} a verify step",
+                    file=sys.stderr,
+                    flush=True,
+                )
     record = dataclasses.asdict(llm.config)
     llm.close()
     del llm
@@ -151,9 +199,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args, arms = parse(argv)
     model = args.model or default_model_dir()
     measured = {name: run_arm(name, config, model, args) for name, config in arms.items()}
-    plain = {task: {batch: cell["token_ids"] for batch, cell in cells.items()} for task, cells in measured["plain"][0].items()}
+    plain = {case: {batch: cell["token_ids"] for batch, cell in cells.items()} for case, cells in measured["plain"][0].items()}
     results = {name: figures for name, (figures, _) in measured.items()}
-    cells = [(name, task, batch, results[name][task][str(batch)]) for name in results for task in args.tasks for batch in args.batch_sizes]
+    cases = [case_name(task, scale, args) for scale in args.residual_scales for task in args.tasks]
+    cells = [(name, case, batch, results[name][case][str(batch)]) for name in results for case in cases for batch in args.batch_sizes]
     for _, task, batch, cell in cells:
         cell["same_tokens"] = cell.pop("token_ids") == plain[task][str(batch)]
         cell["speedup"] = round(cell["tok_per_s"] / results["plain"][task][str(batch)]["tok_per_s"], 3)

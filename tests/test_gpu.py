@@ -788,3 +788,25 @@ def test_eagle_heads_on_cuda_change_no_token(tmp_path, kind):
     llm = LLM(model_dir, **options, speculative_algorithm=kind, speculative_draft_model_path=str(head))
     assert [o.token_ids for o in llm.generate(prompts, params)] == [o.token_ids for o in plain]
     assert llm.engine.speculation.steps > 0
+
+
+@pytest.mark.parametrize("deterministic", [False, True])
+def test_verify_and_catch_up_chunks_in_decode_graphs_give_the_tokens_of_plain_decoding(tmp_path, deterministic):
+    """A verify step's chunk and a draft model's catch-up run in decode graphs, each row attending as a sequence
+    of its own after every row's K and V is written: STANDALONE drafting with the target itself keeps nearly every
+    draft token and gives plain decoding's tokens (bit for bit under deterministic inference, else but for
+    near-ties split differently by kernels of other batch sizes)."""
+    model_dir = build("qwen3", tmp_path, head_dim=128)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": PAGE, "num_pages": 512, "deterministic": deterministic}
+    plain = greedy_tokens(LLM(model_dir, **options))
+    llm = LLM(model_dir, **options, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(model_dir))
+    verifies = []  # per target step that verifies drafts: did a decode graph run it?
+    host_step = llm.engine._host_step
+    llm.engine._host_step = lambda *args: (step := host_step(*args), step.drafts and verifies.append(step.row_seqs))[0]
+    drafted = greedy_tokens(llm)
+    stats = llm.engine.speculation
+    assert len(verifies) > 4 and sum(verifies) >= len(verifies) - 1 and stats.kept >= 0.9 * stats.drafted
+    if deterministic:
+        assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in plain]
+    else:
+        assert_same_greedy_tokens(plain, drafted, "verify in decode graphs")

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -120,10 +122,16 @@ def test_speculation_stops_above_its_batch_size_and_resumes_below_it(looping):
     assert stats.steps + stats.kept <= 2 * (100 - 30)  # only the two long requests, after the others ended
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), SEEDED], ids=["greedy", "seeded"])
+PENALIZED = SamplingParams(max_tokens=40, temperature=0, presence_penalty=0.5, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "params", [SamplingParams(max_tokens=40, temperature=0, ignore_eos=True), SEEDED, PENALIZED], ids=["greedy", "seeded", "penalized"]
+)
 def test_a_draft_model_that_is_the_target_keeps_every_draft_token(tiny_model, params):
     """STANDALONE with the target's own weights: its draws are the target's (same logits, same seeded noise),
-    so every verify step keeps the whole draft and gives draft + 1 tokens, and the output is plain decoding's."""
+    so every verify step keeps the whole draft and gives draft + 1 tokens, and the output is plain decoding's.
+    The draft stays on the device for the verify step, except under penalties, which read it on the host."""
     model, prompts = tiny_model("llama"), [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 33, 7)]
     plain = LLM(model, dtype="float32", page_size=4).generate(prompts, params)
     llm = LLM(model, dtype="float32", page_size=4, **STANDALONE, speculative_draft_model_path=str(model))
@@ -270,3 +278,34 @@ def test_a_lookup_that_finds_nothing_lets_the_request_decode_with_steps_in_fligh
     decodes = sum(len(p.decodes) for p in plans)
     misses = sum(1 for p in plans for c in p.chunks if len(c.token_ids) == 1 and not c.drafts)  # the prompts are longer
     assert misses > 0 and decodes >= PLAIN_DECODES_AFTER_A_MISS * (misses - len(prompts))  # each one's last: cut by max_tokens
+
+
+def test_the_benchmark_sets_the_acceptance_by_the_scale_of_the_later_layers(tiny_smol, tmp_path):
+    """benchmarks.speculative --residual-scales: at 0 the target is its first layer, so a draft model of that layer
+    keeps every draft token; at 1 it drafts as it may. At each scale, both arms give the same tokens."""
+    from safetensors.torch import load_file, save_file
+
+    from benchmarks import speculative
+
+    def copy(folder: Path, layers: int) -> Path:  # the task's prompt is longer than the tiny model's context
+        folder.mkdir()
+        for source in tiny_smol.iterdir():
+            if source.name == "config.json":
+                config = json.loads(source.read_text())
+                (folder / source.name).write_text(json.dumps({**config, "num_hidden_layers": layers, "max_position_embeddings": 2048}))
+            elif source.suffix == ".safetensors":
+                save_file(
+                    {name: t for name, t in load_file(source).items() if ".layers.1." not in name or layers > 1}, folder / source.name
+                )
+            elif source.is_file():
+                shutil.copy(source, folder / source.name)
+        return folder
+
+    target, draft = copy(tmp_path / "target", 2), copy(tmp_path / "draft", 1)
+    flags = f"--speculative-algorithm STANDALONE --speculative-draft-model-path {draft} --speculative-num-draft-tokens 3"
+    argv = ["--model", str(target), "--max-tokens", "25", "--rounds", "1", "--tasks", "repeat", "--ignore-eos", "--dtype", "float32"]
+    record = speculative.main([*argv, "--residual-scales", "1,0", "--agree-layers", "1", "--arm", f"L1={flags}"])
+    results = record["results"]
+    assert results["L1"]["repeat@0"]["1"]["tokens_per_verify_step"] == 4.0  # 24 tokens after the first, 4 a step
+    assert results["L1"]["repeat@1"]["1"]["tokens_per_verify_step"] < 4.0
+    assert all(cell["same_tokens"] for cases in results.values() for cells in cases.values() for cell in cells.values())

@@ -143,14 +143,19 @@ def capture_sizes(max_batch_size: int) -> list[int]:
 class DecodeGraphs:
     """A decode step pads to the next captured batch size up, or to one at most twice as large whose
     graph replayed faster at start-up (cuBLAS picks poor kernels for some few-row GEMMs, so a larger
-    batch can be the faster one). Each replay sends the step's positions, KV rows and slots from
-    pinned memory in the attention plan's copy kernel (runtime.kernels.triton.host_copy), and the
-    graph gathers its token ids from the engine's last sampled tokens itself: a copy or small kernel
-    between graphs leaves the chip idle.
+    batch can be the faster one). Each replay sends the step's positions, KV rows, token sources and
+    tokens from pinned memory in the attention plan's copy kernel (runtime.kernels.triton.host_copy),
+    and the graph gathers its token ids itself: a copy or small kernel between graphs leaves the chip
+    idle. A row's source is its slot's last sampled token (`token_sources[slot]`), or for a row of a
+    short chunk (a speculative verify, a draft model's catch-up) its own token, which the graph first
+    puts at `token_sources[slots + row]`. Such a chunk's rows attend as sequences of one row each,
+    each to the positions up to its own, after every row's K and V is written.
 
     Sizes up to TRITON_DECODE_MAX_BS are captured twice, attention by the backend's decode kernel and
     by ringllm's split-KV kernel (runtime.kernels.triton.decode_attention, which fills the chip better
-    at few sequences), and keep the graph that replayed faster over sequences of TIMING_CONTEXT tokens."""
+    at few sequences), and keep the graph that replayed faster over sequences of TIMING_CONTEXT tokens. The split-KV
+    kernel writes each row's K and V in its own pass, where a chunk's later rows could not see them: a step with
+    chunk rows replays the flashinfer graph, which is kept for that where the other one won."""
 
     @torch.inference_mode()
     def __init__(
@@ -160,24 +165,30 @@ class DecodeGraphs:
         max_batch_size: int,
         max_pages_per_seq: int,
         scratch_page: int,
-        last_tokens: torch.Tensor,
+        token_sources: torch.Tensor,
+        slots: int,
     ) -> None:
+        """`token_sources`: [slots + max_batch_size], the engine's last sampled tokens of its `slots` slots first."""
         self.sizes = capture_sizes(max_batch_size)
-        self.attention, self.scratch_page = attention, scratch_page
+        self.attention, self.scratch_page, self.slots = attention, scratch_page, slots
         self.page_size = attention.pool.page_size
-        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=last_tokens.device)
+        device = token_sources.device
+        self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
-        self.staged = torch.zeros(4, max_batch_size, dtype=torch.int64, pin_memory=True)  # positions, K rows, V rows, slots
+        # positions, K rows, V rows, token sources, tokens (a chunk row's)
+        self.staged = torch.zeros(5, max_batch_size, dtype=torch.int64, pin_memory=True)
         self.staged[1:3] = torch.from_numpy(self.scratch_rows)[:, None]
-        self.rows = self.staged.to(last_tokens.device)
+        self.rows = self.staged.to(device)
 
         def forward(bs: int, batch: ForwardBatch) -> torch.Tensor:
-            torch.index_select(last_tokens, 0, self.rows[3, :bs], out=self.input_ids[:bs])
+            token_sources[slots : slots + bs].copy_(self.rows[4, :bs])
+            torch.index_select(token_sources, 0, self.rows[3, :bs], out=self.input_ids[:bs])
             return model.logits(model(batch, attention))
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.wrappers: dict[int, GraphWrapper] = {}
         self.logits: dict[int, torch.Tensor] = {}
+        self.in_order: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphWrapper]] = {}  # the flashinfer graph, where not kept
         self.attention_kernels: dict[int, str] = {}  # size -> "flashinfer" or "triton", where both were timed
         self.pool: Pool | None = None  # the graphs' shared memory pool
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
@@ -202,6 +213,8 @@ class DecodeGraphs:
                 name = self.attention_kernels[bs] = fastest({name: graph for name, (graph, _, _) in captured.items()})
                 attention.prepare(batch.meta, wrappers[name])  # back to its capture plan, as the padding choice times every size
             self.graphs[bs], self.logits[bs], self.wrappers[bs] = captured[name]
+            if name != "flashinfer":
+                self.in_order[bs] = captured["flashinfer"]
         torch.cuda.synchronize()
         # each size's replay at its capture plan (one-page contexts): a step's part that is not its KV stream
         self.replay_ms = best_times(self.graphs)
@@ -211,21 +224,35 @@ class DecodeGraphs:
         return 0 < batch_size <= self.sizes[-1]
 
     def replay(
-        self, meta: AttentionMeta, positions: np.ndarray, rows_kv: np.ndarray, slots: np.ndarray
+        self,
+        meta: AttentionMeta,
+        positions: np.ndarray,
+        rows_kv: np.ndarray,
+        sources: np.ndarray,
+        tokens: np.ndarray | None = None,
+        drafted: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Logits [n, vocab] of a decode-only step of n sequences, and their slots on the device."""
+        """Logits [n, vocab] of a step of n rows, and their token sources on the device. `tokens`: the rows'
+        own (a chunk's), where `sources` points past the slots; `drafted`: (rows, tokens) on the device that
+        replace those rows' tokens (a draft model's, not read back)."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
         self.attention.wait_for_sent()  # the last step's copy out of `staged`, queued behind the step before it
         staged = self.staged.numpy()
         staged[:, n:bs] = 0
         staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
-        staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, slots
+        staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, sources
+        staged[4, :n] = 0 if tokens is None else tokens
         if bs > n:
             meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
-        self.attention.prepare(meta, self.wrappers[bs], copies=[(self.staged, self.rows)])  # with the plan's, one kernel
-        self.graphs[bs].replay()
-        return self.logits[bs][:n], self.rows[3, :n]
+        graph, logits, wrapper = self.graphs[bs], self.logits[bs], self.wrappers[bs]
+        if tokens is not None and bs in self.in_order:
+            graph, logits, wrapper = self.in_order[bs]
+        self.attention.prepare(meta, wrapper, copies=[(self.staged, self.rows)])  # with the plan's, one kernel
+        if drafted is not None:
+            self.rows[4].index_put_(drafted[:1], drafted[1])
+        graph.replay()
+        return logits[:n], self.rows[3, :n]
 
 
 PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 1536, 2048, 3072)

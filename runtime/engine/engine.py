@@ -44,6 +44,7 @@ from runtime.structured.masks import GrammarMasks
 from transport import env
 
 log = structlog.get_logger()
+ROW_SEQUENCE_CHUNK = 8  # chunks up to this long run in decode graphs, each row a sequence (Engine._rows_as_sequences)
 STANDBY_HEADROOM_BYTES = 4 << 30  # a standby engine's CUDA context, graphs, workspaces and activations, past its weights
 
 DTYPES = {
@@ -111,8 +112,8 @@ class PendingStep:
             logprobs = logprob_dicts(self.sample, self.rows, tokens) if self.sample else []
             dropped: set[int] = set()
             for draft in self.drafts:  # a draft holds as far as each of its tokens is the one drawn before it
-                kept = next((i for i, token in enumerate(draft.tokens) if tokens[draft.first + i] != token), len(draft.tokens))
-                dropped.update(range(draft.first + kept + 1, draft.first + len(draft.tokens) + 1))
+                kept = next((i for i, token in enumerate(draft.tokens) if tokens[draft.first + i] != token), draft.count)
+                dropped.update(range(draft.first + kept + 1, draft.first + draft.count + 1))
                 assert self.on_draft is not None  # set with drafts
                 self.on_draft(draft, kept)
             for i, (state, token) in enumerate(zip(self.states, tokens)):
@@ -126,15 +127,29 @@ class PendingStep:
         return self._results
 
 
-@dataclass(frozen=True)
+@dataclass
 class DraftRows:
     """A speculative chunk's draws: rows first.. of its step, one after the last known token and one after each
     draft token."""
 
     first: int
     slot: int
-    tokens: list[int]
+    count: int  # draft tokens
     state: SlotState
+    source: list[int] | Callable[[], list[int]]  # the draft's tokens, or what reads them back (a draft model's, left on the device)
+
+    @functools.cached_property
+    def tokens(self) -> list[int]:
+        return self.source if isinstance(self.source, list) else self.source()
+
+
+@dataclass(frozen=True)
+class DeviceDraft:
+    """A draft model's draft tokens, left on the device for the step that verifies them: `tokens`, the DRAFT_HERE
+    places' in plan order; `read(slot)`, a slot's on the host, once the step that verifies them is done."""
+
+    tokens: torch.Tensor
+    read: Callable[[int], list[int]]
 
 
 @dataclass
@@ -163,6 +178,8 @@ class HostStep:
     states: list[SlotState]
     rows: list[SampleRow]
     drafts: list[DraftRows]
+    row_seqs: bool  # each row attends as a sequence of its own (meta), so that a decode graph runs the step
+    drafted: DeviceDraft | None  # the draft tokens of its DRAFT_HERE places
 
 
 class Engine:
@@ -275,7 +292,9 @@ class Engine:
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
         self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)
         self.lengths = np.zeros(slots, dtype=np.int64)  # tokens whose KV is written (or queued to be)
-        self.last_tokens = torch.zeros(slots, dtype=torch.int64, device=self.device)
+        # each slot's last sampled token, which its next decode feeds; past them, a decode graph's chunk rows' tokens
+        self.token_sources = torch.zeros(slots + self._graph_limits()[0], dtype=torch.int64, device=self.device)
+        self.last_tokens = self.token_sources[:slots]
         self.slots: dict[int, SlotState] = {}
         self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_timeout)
         self._unread: deque[PendingStep] = deque()
@@ -311,7 +330,9 @@ class Engine:
         self.graphs: DecodeGraphs | None = None
         self.prefill_graphs: PrefillGraphs | None = None
         if max_bs:
-            self.graphs = DecodeGraphs(self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.last_tokens)
+            self.graphs = DecodeGraphs(
+                self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.token_sources, len(self.last_tokens)
+            )
         if prefill_tokens:
             self.prefill_graphs = PrefillGraphs(
                 self.model,
@@ -422,14 +443,15 @@ class Engine:
         while any(step.drafts and not step.read for step in self._unread):  # a tensor-parallel follower reads late:
             self._unread.popleft().result()  # a draft's kept length must move its slot back before a later plan runs
         self.apply(plan)
+        drafted = None
         if self.drafter is not None:
             self.drafter.mirror(plan)
-            plan = self.drafter.draft(plan, self.slots)
+            plan, drafted = self.drafter.draft(plan, self.slots)
         waits = None
         if plan.moves:
             assert self.tiers is not None  # the scheduler moves pages between tiers only where there are some
             waits = self.tiers.run(plan.moves)
-        step = self._host_step(plan)
+        step = self._host_step(plan, drafted)
         try:
             logits, sample_slots_on_device = self._forward(plan, step, waits)
         except StepAbandoned:  # its rows' KV is not all in the pool: the slots end where they were
@@ -447,9 +469,9 @@ class Engine:
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
         return self._sample(step, logits, sample_slots_on_device, constrained)
 
-    def _host_step(self, plan: StepPlan) -> HostStep:
+    def _host_step(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> HostStep:
         """The step's rows, positions, KV rows and attention plan on the host, chunks first; the
-        slots' lengths move on past it."""
+        slots' lengths move on past it. `drafted`: the draft tokens its DRAFT_HERE places take, on the device."""
         chunk_slots = [c.slot for c in plan.chunks]
         seq_slots = np.array(chunk_slots + plan.decodes, dtype=np.int64)
         q_lens = np.array([len(c.token_ids) for c in plan.chunks] + [1] * len(plan.decodes), dtype=np.int64)
@@ -461,13 +483,13 @@ class Engine:
         tokens = int(qo_indptr[-1])
         positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
         ps = self.config.page_size
-        kv_dest = kv_rows(self.page_table[np.repeat(seq_slots, q_lens), positions // ps], positions % ps, ps)
-        seq_pages = -(-kv_lens // ps)
-        kv_indptr = np.zeros(len(q_lens) + 1, dtype=np.int64)
-        np.cumsum(seq_pages, out=kv_indptr[1:])
-        table = self.page_table[seq_slots, : int(seq_pages.max())]
-        kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
-        meta = AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32), kv_lens.astype(np.int32))
+        row_slots = np.repeat(seq_slots, q_lens)
+        kv_dest = kv_rows(self.page_table[row_slots, positions // ps], positions % ps, ps)
+        row_seqs = self._rows_as_sequences(plan, tokens)
+        if row_seqs:  # row i attends to its sequence's positions up to its own
+            meta = self._meta(row_slots, positions + 1, np.arange(tokens + 1))
+        else:
+            meta = self._meta(seq_slots, kv_lens, qo_indptr)
 
         sample_rows, sample_slots, states, rows, drafts = [], [], [], [], []
         for i, chunk in enumerate(plan.chunks):
@@ -476,10 +498,12 @@ class Engine:
             state, first = self.slots[chunk.slot], int(qo_indptr[i + 1]) - 1 - chunk.drafts
             if chunk.drafts:  # a draw after the last known token and after each draft token, as decodes would draw them
                 draft = chunk.token_ids[-chunk.drafts :]
-                drafts.append(DraftRows(len(rows), chunk.slot, draft, state))
+                source = functools.partial(drafted.read, chunk.slot) if drafted else draft  # a device draft's: no penalty, no grammar
+                drafts.append(DraftRows(len(rows), chunk.slot, chunk.drafts, state, source))
                 position = len(state.prompt_ids) + state.sampled
                 for j in range(chunk.drafts + 1):
-                    rows.append(SampleRow(state.params, state.seed, position + j, state.prompt_ids, state.output_ids + draft[:j]))
+                    outputs = state.output_ids if drafted else state.output_ids + draft[:j]
+                    rows.append(SampleRow(state.params, state.seed, position + j, state.prompt_ids, outputs))
             else:
                 rows.append(state.row())
             sample_rows += range(first, first + chunk.drafts + 1)
@@ -504,24 +528,56 @@ class Engine:
             states,
             rows,
             drafts,
+            row_seqs,
+            drafted,
         )
 
+    def _rows_as_sequences(self, plan: StepPlan, tokens: int) -> bool:
+        """Can a decode graph run the step, its chunks' rows attending as sequences of one row? Where the chunks
+        are short (a verify, a draft's catch-up), where no row's hidden state is wanted past the logits."""
+        if self.graphs is None or not self.graphs.fits(tokens):
+            return False
+        if plan.chunks and self.drafter is not None and self.drafter.reads_hidden:
+            return False
+        return all(len(c.token_ids) <= ROW_SEQUENCE_CHUNK and self.slots[c.slot].params.prompt_logprobs is None for c in plan.chunks)
+
+    def _meta(self, seq_slots: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray) -> AttentionMeta:
+        """The attention plan of sequences on these slots' pages, attending to their first kv_lens positions."""
+        seq_pages = -(-kv_lens // self.config.page_size)
+        kv_indptr = np.zeros(len(kv_lens) + 1, dtype=np.int64)
+        np.cumsum(seq_pages, out=kv_indptr[1:])
+        table = self.page_table[seq_slots, : int(seq_pages.max())]
+        kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
+        return AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32), kv_lens.astype(np.int32))
+
     def _forward(self, plan: StepPlan, step: HostStep, waits: LayerWaits | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """Queues the forward: a decode graph (decode-only steps it fits), a prefill graph, or eager; a graph
-        after the tiers' copies, an eager forward layer by layer as they land (`waits`). Returns the logits of
-        the sampling rows (None where none samples) and, from a decode graph, their slots on the device."""
+        """Queues the forward: a decode graph (steps of decodes and short chunks it fits), a prefill graph, or
+        eager; a graph after the tiers' copies, an eager forward layer by layer as they land (`waits`). Returns
+        the logits of the sampling rows (None where none samples) and, from a decode-only step's graph, their
+        slots on the device."""
         tokens, decodes, sampled = step.tokens, step.decodes, len(step.sample_rows)
-        if self.graphs is not None and not plan.chunks and self.graphs.fits(len(decodes)):  # every row samples
+        if step.row_seqs and self.graphs is not None:
             if waits is not None:
                 waits.all()
-            return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
+            if not plan.chunks:  # every row samples
+                return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
+            n_chunk = tokens - len(decodes)
+            own = np.zeros(tokens, dtype=np.int64)
+            own[:n_chunk] = np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk)
+            sources = np.concatenate([len(self.last_tokens) + np.arange(n_chunk), decodes])
+            drafted = (self._to_device(np.flatnonzero(own == DRAFT_HERE)), step.drafted.tokens) if step.drafted else None
+            logits, _ = self.graphs.replay(step.meta, step.positions, step.kv_rows, sources, own, drafted)
+            return (logits if sampled == tokens else logits[self._to_device(step.sample_rows)]), None
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
         # alignment and strides at every step, so no step compiles a new variant of it
         host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.positions, decodes, step.sample_rows]))
         input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
         n_chunk = tokens - len(decodes)
         if n_chunk:
-            input_ids[:n_chunk] = self._to_device(np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk))
+            own = np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk)
+            input_ids[:n_chunk] = self._to_device(own)
+            if step.drafted:
+                input_ids[self._to_device(np.flatnonzero(own == DRAFT_HERE))] = step.drafted.tokens
         if len(decodes):
             input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
         batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
@@ -581,11 +637,11 @@ class Engine:
         every draft token's KV) steps back over the rest, whose KV the next chunk overwrites."""
         draft.state.sampled += kept + 1
         if self.slots.get(draft.slot) is draft.state:  # not a slot freed and opened again meanwhile
-            self.lengths[draft.slot] -= len(draft.tokens) - kept
+            self.lengths[draft.slot] -= draft.count - kept
             if self.drafter is not None:
                 self.drafter.kept(draft.slot, int(self.lengths[draft.slot]))
         self.speculation.steps += 1
-        self.speculation.drafted += len(draft.tokens)
+        self.speculation.drafted += draft.count
         self.speculation.kept += kept
         self.speculation.gave.append(kept + 1)
 
@@ -657,6 +713,8 @@ class DraftModel:
     target's tokens before each draft after. Its draws take the request's own sampling and seed: a draft model
     that is the target draws what the target will."""
 
+    reads_hidden = False  # from the target's steps (take_features)
+
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
@@ -666,13 +724,15 @@ class DraftModel:
         new = [replace(n, cached=0, params=replace(n.params, guide=None, logprobs=None, prompt_logprobs=None)) for n in plan.new_slots]
         self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
 
-    def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> StepPlan:
-        """The plan with its DRAFT_HERE tokens drawn: a step over each drafted slot's tokens the draft model
-        lacks (a long catch-up, as a prompt's first, in prefill-sized steps before it), then a decode step
-        for each draft token after the first, read once all are queued."""
+    def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> tuple[StepPlan, DeviceDraft | None]:
+        """Draws the plan's DRAFT_HERE tokens: a step over each drafted slot's tokens the draft model lacks (a
+        long catch-up, as a prompt's first, in prefill-sized steps before it), then a decode step for each
+        draft token after the first. The draws stay on the device for the verify step, which is queued behind
+        them (DeviceDraft), unless a drafted slot's grammar or penalties need them on the host first: then
+        they are read and written into the plan."""
         asks = [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
         if not asks:
-            return plan
+            return plan, None
         budget = self.engine.config.max_prefill_tokens
         assert budget is not None  # EngineConfig fills in the device's default
         ends: list[tuple[Chunk, torch.Tensor | None]] = []
@@ -696,14 +756,20 @@ class DraftModel:
         for j in range(1, max(c.drafts for _, c in asks)):
             steps.append(self._launch(StepPlan(decodes=[c.slot for _, c in asks if c.drafts > j])))
         self._drafted([c.slot for _, c in asks])
-        drawn: dict[int, list[int]] = {c.slot: [] for _, c in asks}
-        for step in steps:
-            for sampled in step.result():
-                drawn[sampled.slot].append(sampled.token)
-        chunks = list(plan.chunks)
-        for i, chunk in asks:
-            chunks[i] = replace(chunk, token_ids=chunk.token_ids[: -chunk.drafts] + drawn[chunk.slot])
-        return replace(plan, chunks=chunks)
+        where: dict[int, list[tuple[int, int]]] = {c.slot: [] for _, c in asks}  # slot -> its draft tokens' (step, row)
+        for s, step in enumerate(steps):
+            for r, slot in enumerate(step.slots):
+                where[slot].append((s, r))
+        read = lambda slot: [steps[s].result()[r].token for s, r in where[slot]]  # noqa: E731
+        if any(targets[c.slot].params.guide is not None or targets[c.slot].params.penalized for _, c in asks):
+            chunks = list(plan.chunks)  # a grammar's masks and penalties read the draft on the host: it waits for the draws
+            for i, chunk in asks:
+                chunks[i] = replace(chunk, token_ids=chunk.token_ids[: -chunk.drafts] + read(chunk.slot))
+            return replace(plan, chunks=chunks), None
+        offsets = np.cumsum([0] + [len(step.rows) for step in steps])
+        index = np.array([offsets[s] + r for _, c in asks for s, r in where[c.slot]], dtype=np.int64)
+        draws = torch.cat([step.sample.tokens for step in steps if step.sample is not None])  # each of these steps samples
+        return plan, DeviceDraft(draws[torch.from_numpy(index).to(self.engine.device, non_blocking=True)], read)
 
     def _catch_up(self, slot: int, target: SlotState) -> tuple[list[int], torch.Tensor | None]:
         """The tokens that bring the slot's draft KV up to the target's, the last drawing the first draft token
@@ -738,6 +804,8 @@ class EagleDraft(DraftModel):
     came (a prefix from the radix cache; steps decoded while drafting was off) is skipped where the head's
     KV begins, else read with a zero feature: it costs acceptance, never output. The head runs eager: its
     features are set before each forward."""
+
+    reads_hidden = True
 
     def __init__(self, engine: Engine, target: Engine) -> None:
         super().__init__(engine)
