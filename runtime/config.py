@@ -14,6 +14,17 @@ from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 MODEL_DRAFTS = ("STANDALONE", "EAGLE", "EAGLE3")  # the algorithms that draft with a model (the engine fills the draft in)
+# vLLM's speculative_config keys (LLM(speculative_config=...)) -> EngineConfig's fields; the fields' own names without
+# their speculative_ prefix are taken too
+VLLM_SPECULATIVE_KEYS = {
+    "method": "speculative_algorithm",
+    "model": "speculative_draft_model_path",
+    "num_speculative_tokens": "speculative_num_draft_tokens",
+    "prompt_lookup_min": "speculative_ngram_min_match_window_size",
+    "prompt_lookup_max": "speculative_ngram_max_match_window_size",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+VLLM_METHODS = {"ngram": "NGRAM", "draft_model": "STANDALONE", "eagle": "EAGLE", "eagle3": "EAGLE3"}
 
 log = structlog.get_logger()
 
@@ -159,6 +170,20 @@ def device_defaults(device: str) -> dict[str, Any]:
     }
 
 
+def speculative_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    """LLM(speculative_config=...): vLLM's keys and methods ("ngram", "draft_model", "eagle", "eagle3"), or
+    EngineConfig's speculative fields without their prefix, as those fields."""
+    out: dict[str, Any] = {}
+    for key, value in spec.items():
+        name = VLLM_SPECULATIVE_KEYS.get(key, f"speculative_{key}")
+        if name not in EngineConfig.__dataclass_fields__:
+            raise ValueError(f"speculative_config has no key {key!r}; it takes {sorted(VLLM_SPECULATIVE_KEYS)} and EngineConfig's")
+        if name == "speculative_algorithm" and isinstance(value, str):
+            value = VLLM_METHODS.get(value.lower(), value.upper())
+        out[name] = value
+    return out
+
+
 KV_CACHE_DTYPES = ("auto", "fp8_e4m3", "fp8")  # fp8: vLLM's name for fp8_e4m3
 FLOAT32_NAMES = ("float32", "fp32")
 
@@ -236,6 +261,17 @@ class EngineConfig(CliConfig):
         default=None, metadata=flag("STANDALONE, EAGLE, EAGLE3: the draft model's or head's folder or hub id", metavar="DIR")
     )
     speculative_num_draft_tokens: int = field(default=4, metadata=flag("draft tokens a step verifies (a step gives up to one more)"))
+    speculative_num_steps: int | None = field(
+        default=None,
+        metadata=flag(
+            "SGLang's draft depth: when given, a chain of this many draft tokens (it sets --speculative-num-draft-tokens; "
+            "SGLang counts the last known token too, so its --speculative-num-draft-tokens N + 1 says the same)",
+            metavar="N",
+        ),
+    )
+    speculative_eagle_topk: int | None = field(
+        default=None, metadata=flag("SGLang's draft tree width: drafts are chains, so 1 (or unset)", metavar="1")
+    )
     speculative_disable_by_batch_size: int | None = field(
         default=None,
         metadata=flag("no drafts while more requests than this run (vLLM's flag): speculation pays at small batches", metavar="N"),
@@ -337,6 +373,7 @@ class EngineConfig(CliConfig):
             "steps_in_flight": 1,
             "tensor_parallel_size": 1,
             "speculative_num_draft_tokens": 1,
+            "speculative_num_steps": 1,
             "speculative_disable_by_batch_size": 0,
             "speculative_ngram_min_match_window_size": 1,
         }
@@ -364,6 +401,10 @@ class EngineConfig(CliConfig):
             raise ValueError(f"--speculative-algorithm {'/'.join(MODEL_DRAFTS)} takes --speculative-draft-model-path, and only they do")
         if self.speculative_algorithm in MODEL_DRAFTS and self.tensor_parallel_size > 1:
             raise ValueError("a draft model or head runs on one rank (--tp 1)")
+        if self.speculative_eagle_topk not in (None, 1):
+            raise ValueError("drafts are chains: --speculative-eagle-topk takes 1 (tree drafts are not built)")
+        if self.speculative_num_steps is not None:  # SGLang's depth is the chain's length
+            object.__setattr__(self, "speculative_num_draft_tokens", self.speculative_num_steps)
         if self.speculative_ngram_max_match_window_size < self.speculative_ngram_min_match_window_size:
             raise ValueError("speculative_ngram_max_match_window_size must be at least speculative_ngram_min_match_window_size")
         if not self.grammar_compile_timeout > 0:

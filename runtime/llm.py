@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from runtime.config import EngineConfig, ModelConfig
+from runtime.config import EngineConfig, ModelConfig, speculative_fields
 from runtime.distributed import SINGLE, TensorParallel, check_parallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.models.source import load_tokenizer, resolve_model_dir
@@ -81,9 +81,17 @@ class _Ranks:
 
 
 class LLM:
-    def __init__(self, model_path: str | Path | None = None, config: EngineConfig | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        config: EngineConfig | None = None,
+        speculative_config: dict[str, Any] | None = None,
+        **options: Any,
+    ) -> None:
         """`config` as `ringllm serve` builds it (EngineConfig.from_cli_args), or EngineConfig's fields as keyword
-        arguments; given both, the keywords change those fields of `config`."""
+        arguments; given both, the keywords change those fields of `config`. `speculative_config`: vLLM's (or the
+        speculative fields without their prefix), e.g. {"method": "ngram", "num_speculative_tokens": 4}."""
+        options |= speculative_fields(speculative_config or {})
         self.model_dir = resolve_model_dir(None if model_path is None else str(model_path))
         self.config = EngineConfig(**options) if config is None else replace(config, **options)
         check_parallel(ModelConfig.load(self.model_dir), self.config)

@@ -44,6 +44,8 @@ ENGINE = {
     "grammar_compile_timeout": 2.5,
     "speculative_algorithm": "NGRAM",
     "speculative_num_draft_tokens": 6,
+    "speculative_num_steps": 6,  # SGLang's depth: sets the draft tokens
+    "speculative_eagle_topk": 1,
     "speculative_disable_by_batch_size": 3,
     "speculative_ngram_min_match_window_size": 2,
     "speculative_ngram_max_match_window_size": 5,
@@ -165,3 +167,22 @@ def test_the_cli_reference_names_every_flag_and_no_other():
     written = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", cli_reference.PATH.read_text()))
     parsed = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", "".join(map(cli_reference.command_help, cli_reference.COMMANDS))))
     assert written == parsed, f"docs/cli.md is stale (run `make docs`): {sorted(written ^ parsed)}"
+
+
+def test_sglang_and_vllm_spellings_of_speculation_reach_the_same_fields(tiny_model):
+    """SGLang's --speculative-num-steps sets the chain's draft tokens (its --speculative-num-draft-tokens counts the
+    last known token too); tree drafts are refused; LLM takes vLLM's speculative_config."""
+    parser = argparse.ArgumentParser()
+    EngineConfig.add_cli_args(parser)
+    sglang = ["--speculative-algorithm", "NGRAM", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"]
+    config = EngineConfig.from_cli_args(parser.parse_args([*sglang, "--speculative-num-draft-tokens", "4"]))
+    assert config.speculative_num_draft_tokens == 3
+    with pytest.raises(ValueError, match="chains"):
+        EngineConfig(speculative_algorithm="NGRAM", speculative_eagle_topk=4)
+    spec = {"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_min": 2, "prompt_lookup_max": 6, "disable_by_batch_size": 8}
+    llm = LLM(tiny_model("llama"), speculative_config=spec)
+    assert (llm.config.speculative_algorithm, llm.config.speculative_num_draft_tokens) == ("NGRAM", 5)
+    assert (llm.config.speculative_ngram_min_match_window_size, llm.config.speculative_ngram_max_match_window_size) == (2, 6)
+    assert llm.config.speculative_disable_by_batch_size == 8
+    with pytest.raises(ValueError, match="no key 'lookahead'"):
+        LLM(tiny_model("llama"), speculative_config={"method": "ngram", "lookahead": 3})
