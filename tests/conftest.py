@@ -181,6 +181,27 @@ def pytest_configure(config) -> None:
         os.sched_setaffinity(0, cores[int(worker.removeprefix("gw")) :: count])
 
 
+# The files whose servers, kills and waits take longest, longest first. `make test` hands whole files to its
+# workers in collection order (--dist loadfile --no-loadscope-reorder): these go first, so that the short files
+# fill in at the end and no worker is left running a long file alone.
+LONGEST_FILES = (
+    "test_recovery.py",
+    "test_serving.py",
+    "test_speculative.py",
+    "test_supervisor.py",
+    "test_structured_output.py",
+    "test_tensor_parallel.py",
+    "test_bench.py",
+    "test_kv_tiers.py",
+    "test_parity.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
+
 def pytest_sessionfinish(session, exitstatus) -> None:
     """After the whole suite: none of its ringllm segments in /dev/shm and no child process may remain."""
     leftovers = sorted(_our_segments())
