@@ -170,7 +170,7 @@ class DecodeGraphs:
     ) -> None:
         """`token_sources`: [slots + max_batch_size], the engine's last sampled tokens of its `slots` slots first."""
         self.sizes = capture_sizes(max_batch_size)
-        self.attention, self.scratch_page, self.slots = attention, scratch_page, slots
+        self.attention, self.scratch_page = attention, scratch_page
         self.page_size = attention.pool.page_size
         device = token_sources.device
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)

@@ -562,10 +562,9 @@ class Engine:
             if not plan.chunks:  # every row samples
                 return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
             n_chunk = tokens - len(decodes)
-            own = np.zeros(tokens, dtype=np.int64)
-            own[:n_chunk] = np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk)
+            own, drafted = self._chunk_ids(plan, step, n_chunk)
             sources = np.concatenate([len(self.last_tokens) + np.arange(n_chunk), decodes])
-            drafted = (self._to_device(np.flatnonzero(own == DRAFT_HERE)), step.drafted.tokens) if step.drafted else None
+            own = np.concatenate([own, np.zeros(len(decodes), dtype=np.int64)])  # a decode row's token is its slot's
             logits, _ = self.graphs.replay(step.meta, step.positions, step.kv_rows, sources, own, drafted)
             return (logits if sampled == tokens else logits[self._to_device(step.sample_rows)]), None
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
@@ -574,10 +573,10 @@ class Engine:
         input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
         n_chunk = tokens - len(decodes)
         if n_chunk:
-            own = np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk)
+            own, drafted = self._chunk_ids(plan, step, n_chunk)
             input_ids[:n_chunk] = self._to_device(own)
-            if step.drafted:
-                input_ids[self._to_device(np.flatnonzero(own == DRAFT_HERE))] = step.drafted.tokens
+            if drafted is not None:
+                input_ids[drafted[0]] = drafted[1]
         if len(decodes):
             input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
         batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
@@ -594,6 +593,13 @@ class Engine:
         if self.drafter is not None:
             self.drafter.take_features(plan, step, hidden)
         return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
+
+    def _chunk_ids(self, plan: StepPlan, step: HostStep, n_chunk: int) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The chunks' token ids, and for a draft left on the device (rows among them, its tokens) to put there."""
+        own = np.fromiter((t for c in plan.chunks for t in c.token_ids), np.int64, n_chunk)
+        if step.drafted is None:
+            return own, None
+        return own, (self._to_device(np.flatnonzero(own == DRAFT_HERE)), step.drafted.tokens)
 
     def _prompt_logprobs(self, plan: StepPlan, step: HostStep, hidden: torch.Tensor) -> None:
         """For chunks of slots that asked: the log-probability of each prompt token the chunk's rows
