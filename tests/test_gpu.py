@@ -790,16 +790,24 @@ def test_eagle_heads_on_cuda_change_no_token(tmp_path, kind):
     assert llm.engine.speculation.steps > 0
 
 
-@pytest.mark.parametrize("deterministic", [False, True])
-def test_verify_and_catch_up_chunks_in_decode_graphs_give_the_tokens_of_plain_decoding(tmp_path, deterministic):
+@pytest.mark.parametrize(("deterministic", "kernel"), [(False, "timed"), (False, "triton"), (True, "timed")])
+def test_verify_and_catch_up_chunks_in_decode_graphs_give_the_tokens_of_plain_decoding(tmp_path, monkeypatch, deterministic, kernel):
     """A verify step's chunk and a draft model's catch-up run in decode graphs, each row attending as a sequence
     of its own after every row's K and V is written: STANDALONE drafting with the target itself keeps nearly every
     draft token and gives plain decoding's tokens (bit for bit under deterministic inference, else but for
-    near-ties split differently by kernels of other batch sizes)."""
+    near-ties split differently by kernels of other batch sizes). `triton`: the split-KV kernel forced at every
+    size, so that chunk steps run its graphs that attend after the rope pass."""
+    from runtime.engine import cuda_graph
+
+    if kernel == "triton":
+        monkeypatch.setattr(cuda_graph, "fastest", lambda graphs: "triton" if "triton" in graphs else next(iter(graphs)))
     model_dir = build("qwen3", tmp_path, head_dim=128)
     options = {"device": "cuda", "dtype": "bfloat16", "page_size": PAGE, "num_pages": 512, "deterministic": deterministic}
     plain = greedy_tokens(LLM(model_dir, **options))
     llm = LLM(model_dir, **options, speculative_algorithm="STANDALONE", speculative_draft_model_path=str(model_dir))
+    if kernel == "triton":
+        graphs = llm.engine.graphs
+        assert graphs is not None and sorted(graphs.in_order) == [1, 2, 4, 8, 16], graphs
     verifies = []  # per target step that verifies drafts: did a decode graph run it?
     host_step = llm.engine._host_step
     llm.engine._host_step = lambda *args: (step := host_step(*args), step.drafts and verifies.append(step.row_seqs))[0]

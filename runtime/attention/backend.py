@@ -45,8 +45,10 @@ class GraphAttention(AttentionBackend, Protocol):
         """The backend's decode kernel for graphs of `batch_size` sequences over at most `max_pages` pages."""
         ...
 
-    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper | None:
-        """ringllm's split-KV decode kernel for such graphs, timed against the first; None where it cannot run."""
+    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int, rotates: bool = True) -> GraphWrapper | None:
+        """ringllm's split-KV decode kernel for such graphs, timed against the first; None where it cannot run.
+        `rotates`: it does the rope pass's work (decodes); else it attends after that pass wrote every row's
+        K and V (a short chunk's rows, each attending to the ones before it)."""
         ...
 
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:

@@ -83,16 +83,17 @@ class FlashInferAttention:
             paged_kv_last_page_len_buffer=last_page_len,
         )
 
-    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int) -> TritonDecode | None:
+    def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int, rotates: bool = True) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
-        None where Triton does not import, or where it would not be the kernel of every row (deterministic)."""
+        None where Triton does not import, or where it would not be the kernel of every row (deterministic).
+        `rotates`: as GraphAttention's."""
         if self.deterministic:
             return None
         try:
             from runtime.kernels.triton.decode_attention import decode_attention
         except ImportError:
             return None
-        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention)
+        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention, rotates)
 
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
         """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
@@ -157,8 +158,9 @@ class FlashInferAttention:
 
     @property
     def rotates(self) -> bool:
-        """ringllm's split-KV decode norms and rotates q and writes the new K and V in its own pass."""
-        return isinstance(self.active, TritonDecode)
+        """ringllm's split-KV decode norms and rotates q and writes the new K and V in its own pass (where it
+        runs decodes only)."""
+        return isinstance(self.active, TritonDecode) and self.active.rotates
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
@@ -177,14 +179,15 @@ class FlashInferAttention:
 class TritonDecode:
     """A flashinfer decode wrapper's plan and run, for runtime.kernels.triton.decode_attention. A plan
     stages the step's page lists and lengths in pinned memory, and prepare sends them into the buffer
-    its graph reads; like flashinfer's plans, the next one waits for that copy."""
+    its graph reads; like flashinfer's plans, the next one waits for that copy. `rotates`: the kernel does
+    the rope pass's work too (see FlashInferAttention.triton_decode_graph_wrapper)."""
 
-    def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor]) -> None:
+    def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor], rotates: bool = True) -> None:
         self.staged = torch.zeros(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
         self.buffer = torch.zeros_like(self.staged, device=device)
         b = batch_size
         self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
-        self.attend = attend
+        self.attend, self.rotates = attend, rotates
 
     def plan(self, meta: AttentionMeta) -> tuple[Tensor, Tensor]:
         """Stages the plan; returns the copy (pinned, device) that sends it."""

@@ -154,8 +154,9 @@ class DecodeGraphs:
     Sizes up to TRITON_DECODE_MAX_BS are captured twice, attention by the backend's decode kernel and
     by ringllm's split-KV kernel (runtime.kernels.triton.decode_attention, which fills the chip better
     at few sequences), and keep the graph that replayed faster over sequences of TIMING_CONTEXT tokens. The split-KV
-    kernel writes each row's K and V in its own pass, where a chunk's later rows could not see them: a step with
-    chunk rows replays the flashinfer graph, which is kept for that where the other one won."""
+    kernel writes each row's K and V in its own pass, where a chunk's later rows could not see them: where it won,
+    a step with chunk rows replays a third graph, the same kernel after the rope pass has written every row's K
+    and V (no flashinfer plan on the host: a speculative step's host time is on its critical path)."""
 
     @torch.inference_mode()
     def __init__(
@@ -188,7 +189,7 @@ class DecodeGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.wrappers: dict[int, GraphWrapper] = {}
         self.logits: dict[int, torch.Tensor] = {}
-        self.in_order: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphWrapper]] = {}  # the flashinfer graph, where not kept
+        self.in_order: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor, GraphWrapper]] = {}  # chunk steps', where the kept graph rotates
         self.attention_kernels: dict[int, str] = {}  # size -> "flashinfer" or "triton", where both were timed
         self.pool: Pool | None = None  # the graphs' shared memory pool
         for bs in reversed(self.sizes):  # largest first: smaller graphs reuse its memory pool
@@ -214,7 +215,11 @@ class DecodeGraphs:
                 attention.prepare(batch.meta, wrappers[name])  # back to its capture plan, as the padding choice times every size
             self.graphs[bs], self.logits[bs], self.wrappers[bs] = captured[name]
             if name != "flashinfer":
-                self.in_order[bs] = captured["flashinfer"]
+                in_order = attention.triton_decode_graph_wrapper(bs, pages, rotates=False)
+                assert in_order is not None  # the rotating one was built
+                attention.prepare(batch.meta, in_order)
+                graph, logits = capture(lambda bs=bs, batch=batch: forward(bs, batch), self.pool)
+                self.in_order[bs] = (graph, logits, in_order)
         torch.cuda.synchronize()
         # each size's replay at its capture plan (one-page contexts): a step's part that is not its KV stream
         self.replay_ms = best_times(self.graphs)
