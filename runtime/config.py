@@ -273,8 +273,12 @@ class EngineConfig(CliConfig):
         default=None, metadata=flag("SGLang's draft tree width: drafts are chains, so 1 (or unset)", metavar="1")
     )
     speculative_disable_by_batch_size: int | None = field(
-        default=None,
-        metadata=flag("no drafts while more requests than this run (vLLM's flag): speculation pays at small batches", metavar="N"),
+        default=8,
+        metadata=flag(
+            "no drafts while more requests than this run (vLLM's flag; default: where it stopped paying on an H200, "
+            "docs/speculative.md): speculation pays at small batches",
+            metavar="N",
+        ),
     )
     speculative_ngram_min_match_window_size: int = field(default=1, metadata=flag("NGRAM: the fewest last tokens a match takes"))
     speculative_ngram_max_match_window_size: int = field(
