@@ -32,6 +32,7 @@ class Chunk:
     token_ids: list[int]  # fed at the slot's current length onwards
     sample: bool  # the chunk ends the sequence's known tokens: sample the next one
     drafts: int = 0  # its last tokens are a speculative draft (or DRAFT_HERE): sample after each, keep it as far as it matches
+    every_row: bool = False  # each row draws the token after it (the engine's own: a draft model's catch-up over a verify)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ class SlotState:
         return SampleRow(self.params, self.seed, len(self.prompt_ids) + self.sampled, self.prompt_ids, self.output_ids)
 
 
-@dataclass
+@dataclass(eq=False)
 class PendingStep:
     """A queued step's draws, copied to pinned host memory behind an event."""
 
@@ -146,10 +146,22 @@ class DraftRows:
 @dataclass(frozen=True)
 class DeviceDraft:
     """A draft model's draft tokens, left on the device for the step that verifies them: `tokens`, the DRAFT_HERE
-    places' in plan order; `read(slot)`, a slot's on the host, once the step that verifies them is done."""
+    places' in plan order; `read(slot)`, a slot's on the host, once the step that verifies them is done (None where
+    no step verifies them: a draft model's catch-up over a verify's draws)."""
 
     tokens: torch.Tensor
-    read: Callable[[int], list[int]]
+    read: Callable[[int], list[int]] | None = None
+
+
+@dataclass(frozen=True)
+class Followed:
+    """A draft model's catch-up queued behind a verify (DraftModel.follow): `rows` rows from position `start`, drawn
+    in `step` from its row `row` on."""
+
+    start: int
+    rows: int
+    step: PendingStep
+    row: int
 
 
 @dataclass
@@ -438,12 +450,12 @@ class Engine:
             state.num_pages += len(pages)
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan) -> PendingStep:
-        """Queues the plan's forward and draw on the device and returns without waiting for either."""
+    def launch(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> PendingStep:
+        """Queues the plan's forward and draw on the device and returns without waiting for either. `drafted`: the
+        DRAFT_HERE places' tokens, for an engine without a drafter of its own (a draft model's)."""
         while any(step.drafts and not step.read for step in self._unread):  # a tensor-parallel follower reads late:
             self._unread.popleft().result()  # a draft's kept length must move its slot back before a later plan runs
         self.apply(plan)
-        drafted = None
         if self.drafter is not None:
             self.drafter.mirror(plan)
             plan, drafted = self.drafter.draft(plan, self.slots)
@@ -467,7 +479,10 @@ class Engine:
             self.host_waits["read_ms"] = round((time.perf_counter() - started) * 1e3, 3)
         if logits is None:  # nothing samples
             return PendingStep([], [], [], None, torch.empty(0, dtype=torch.int64), None)
-        return self._sample(step, logits, sample_slots_on_device, constrained)
+        pending = self._sample(step, logits, sample_slots_on_device, constrained)
+        if self.drafter is not None and step.drafts:
+            self.drafter.follow(step, pending)
+        return pending
 
     def _host_step(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> HostStep:
         """The step's rows, positions, KV rows and attention plan on the host, chunks first; the
@@ -495,20 +510,26 @@ class Engine:
         for i, chunk in enumerate(plan.chunks):
             if not chunk.sample:
                 continue
-            state, first = self.slots[chunk.slot], int(qo_indptr[i + 1]) - 1 - chunk.drafts
+            draws = len(chunk.token_ids) if chunk.every_row else chunk.drafts + 1
+            state = self.slots[chunk.slot]
+            first, position = int(qo_indptr[i + 1]) - draws, len(state.prompt_ids) + state.sampled
             if chunk.drafts:  # a draw after the last known token and after each draft token, as decodes would draw them
                 draft = chunk.token_ids[-chunk.drafts :]
-                source = functools.partial(drafted.read, chunk.slot) if drafted else draft  # a device draft's: no penalty, no grammar
+                source = draft
+                if drafted is not None:  # a device draft's: no penalty, no grammar
+                    assert drafted.read is not None  # a target's draft model reads back what its verify checks
+                    source = functools.partial(drafted.read, chunk.slot)
                 drafts.append(DraftRows(len(rows), chunk.slot, chunk.drafts, state, source))
-                position = len(state.prompt_ids) + state.sampled
-                for j in range(chunk.drafts + 1):
+                for j in range(draws):
                     outputs = state.output_ids if drafted else state.output_ids + draft[:j]
                     rows.append(SampleRow(state.params, state.seed, position + j, state.prompt_ids, outputs))
+            elif chunk.every_row:
+                rows += [SampleRow(state.params, state.seed, position + j, state.prompt_ids, state.output_ids) for j in range(draws)]
             else:
                 rows.append(state.row())
-            sample_rows += range(first, first + chunk.drafts + 1)
-            sample_slots += [chunk.slot] * (chunk.drafts + 1)
-            states += [state] * (chunk.drafts + 1)
+            sample_rows += range(first, first + draws)
+            sample_slots += [chunk.slot] * draws
+            states += [state] * draws
         for slot in plan.decodes:
             states.append(state := self.slots[slot])
             rows.append(state.row())
@@ -687,6 +708,11 @@ class Engine:
         while self._unread:
             self._unread.popleft().result()
 
+    def forget(self, step: PendingStep) -> None:
+        """A queued step whose draws nobody will read (a draft model's catch-up no draft took): no longer waited on."""
+        if step in self._unread:
+            self._unread.remove(step)
+
     def reset(self) -> list[HeldKV]:
         """Forget every slot (a new epoch): the next plans open them afresh. Returns what the pool holds
         of each slot's request (its rid, the tokens whose KV is written, their pages, its salt), for a new
@@ -717,18 +743,60 @@ class DraftModel:
     target's slots and page tables (its own pool under the same page ids). A cached prefix's pages may hold no
     draft KV, so a slot's draft KV is computed from its first token at its first draft, and caught up to the
     target's tokens before each draft after. Its draws take the request's own sampling and seed: a draft model
-    that is the target draws what the target will."""
+    that is the target draws what the target will.
+
+    The catch-up after a verify is queued right behind it, before the host reads it (`follow`): over every verify
+    row, each fed the target's draw there, so that the row after the last kept token is among them whatever the
+    verify keeps. Reading the verify and planning the next step then overlap the GPU's work, and the next draft
+    starts from that row's draw."""
 
     reads_hidden = False  # from the target's steps (take_features)
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.followed: dict[int, Followed] = {}  # slot -> its catch-up queued behind its last verify
+        self.queued: list[PendingStep] = []  # those catch-ups' steps, until a draft takes them or none waits on them
 
     def mirror(self, plan: StepPlan) -> None:
         """The plan's freed and new slots and their pages, as the target applied them (no grammar: the draft
         model draws freely, and the target's verify rows carry the grammar's masks; no log-probabilities)."""
         new = [replace(n, cached=0, params=replace(n.params, guide=None, logprobs=None, prompt_logprobs=None)) for n in plan.new_slots]
         self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
+        asked = {c.slot for c in plan.chunks if c.drafts and c.token_ids[-1] == DRAFT_HERE}
+        for slot in [*plan.freed, *(n.slot for n in plan.new_slots), *(c.slot for c in plan.chunks), *plan.decodes]:
+            if slot not in asked:
+                self.followed.pop(slot, None)  # a queued catch-up holds only until the slot's next step, which draws
+
+    def follow(self, step: HostStep, verify: PendingStep) -> None:
+        """Queues the catch-up over each verify chunk's rows behind it (the class's note): row j at the chunk's
+        position + 1 + j, fed the target's draw after verify row j. Rows past the slot's pages are left out (a
+        verify that keeps more catches up as before), and so are slots whose drafts the host reads (grammars,
+        penalties: their draft rows need the request's outputs)."""
+        assert verify.sample is not None  # a verify draws
+        page_size = self.engine.config.page_size
+        chunks, index, starts = [], [], []
+        for draft in step.drafts:
+            mine, params = self.engine.slots.get(draft.slot), draft.state.params
+            if mine is None or params.guide is not None or params.penalized:
+                continue
+            start = int(step.positions[step.sample_rows[draft.first]]) + 1
+            rows = min(draft.count + 1, mine.num_pages * page_size - start)
+            if rows <= 0:
+                continue
+            self.engine.lengths[draft.slot] = start  # its KV from there on is rewritten
+            mine.sampled = start + 1 - len(mine.prompt_ids)  # row 0 draws the token after `start`
+            chunks.append(Chunk(draft.slot, [DRAFT_HERE] * rows, True, every_row=True))
+            index += range(draft.first, draft.first + rows)
+            starts.append(start)
+        if not chunks:
+            return
+        tokens = verify.sample.tokens[torch.from_numpy(np.array(index, dtype=np.int64)).to(self.engine.device, non_blocking=True)]
+        queued = self.engine.launch(StepPlan(chunks=chunks), DeviceDraft(tokens))
+        self.queued.append(queued)
+        row = 0
+        for chunk, start in zip(chunks, starts):
+            self.followed[chunk.slot] = Followed(start, len(chunk.token_ids), queued, row)
+            row += len(chunk.token_ids)
 
     def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> tuple[StepPlan, DeviceDraft | None]:
         """Draws the plan's DRAFT_HERE tokens: a step over each drafted slot's tokens the draft model lacks (a
@@ -737,35 +805,66 @@ class DraftModel:
         them (DeviceDraft), unless a drafted slot's grammar or penalties need them on the host first: then
         they are read and written into the plan."""
         asks = [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
+        followed = {c.slot: q for _, c in asks if (q := self.followed.pop(c.slot, None)) is not None}
+        steps: list[PendingStep] = []  # the draft steps whose draws the verify takes
+        try:
+            return self._draft(plan, targets, asks, followed, steps)
+        finally:
+            self._let_go(steps)
+
+    def _draft(
+        self,
+        plan: StepPlan,
+        targets: dict[int, SlotState],
+        asks: list[tuple[int, Chunk]],
+        followed: dict[int, Followed],
+        steps: list[PendingStep],
+    ) -> tuple[StepPlan, DeviceDraft | None]:
         if not asks:
             return plan, None
         budget = self.engine.config.max_prefill_tokens
         assert budget is not None  # EngineConfig fills in the device's default
         ends: list[tuple[Chunk, torch.Tensor | None]] = []
+        caught: dict[int, tuple[int, int]] = {}  # slot -> its first draft token's (step, row), from a followed catch-up
         for _, chunk in asks:
             target, mine = targets[chunk.slot], self.engine.slots[chunk.slot]
             mine.output_ids, mine.sampled = list(target.output_ids), len(target.output_ids)
+            known = len(target.prompt_ids) + len(target.output_ids)  # the last known token is at known - 1
+            if (queued := followed.get(chunk.slot)) is not None and 0 <= known - 1 - queued.start < queued.rows:
+                if queued.step not in steps:
+                    steps.append(queued.step)
+                caught[chunk.slot] = (steps.index(queued.step), queued.row + known - 1 - queued.start)
+                self.engine.lengths[chunk.slot] = known  # that row wrote the last known token's KV
+                mine.sampled += 1  # and drew the first draft token
+                continue
             tokens, features = self._catch_up(chunk.slot, target)
             last = (len(tokens) - 1) // budget * budget  # where the piece that draws begins
             for start in range(0, last, budget):
                 piece = None if features is None else features[start : start + budget]
                 self._launch(StepPlan(chunks=[Chunk(chunk.slot, tokens[start : start + budget], False)]), [piece])
             ends.append((Chunk(chunk.slot, tokens[last:], True), None if features is None else features[last:]))
-        steps: list[PendingStep] = []
         group: list[tuple[Chunk, torch.Tensor | None]] = []
         for end in ends:  # the last pieces, in steps of a budget's rows at most
             if group and sum(len(c.token_ids) for c, _ in group) + len(end[0].token_ids) > budget:
                 steps.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
                 group = []
             group.append(end)
-        steps.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
+        if group:
+            steps.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
+        for slot, (s, r) in caught.items():  # a followed catch-up drew every row: the slot's next decode feeds this one
+            sample = steps[s].sample
+            assert sample is not None  # a catch-up draws
+            self.engine.last_tokens[slot : slot + 1] = sample.tokens[r : r + 1]
         for j in range(1, max(c.drafts for _, c in asks)):
             steps.append(self._launch(StepPlan(decodes=[c.slot for _, c in asks if c.drafts > j])))
         self._drafted([c.slot for _, c in asks])
         where: dict[int, list[tuple[int, int]]] = {c.slot: [] for _, c in asks}  # slot -> its draft tokens' (step, row)
+        for slot, place in caught.items():
+            where[slot].append(place)
         for s, step in enumerate(steps):
-            for r, slot in enumerate(step.slots):
-                where[slot].append((s, r))
+            if not any(step is q.step for q in followed.values()):  # a followed catch-up's rows: only the one caught
+                for r, slot in enumerate(step.slots):
+                    where[slot].append((s, r))
         read = lambda slot: [steps[s].result()[r].token for s, r in where[slot]]  # noqa: E731
         if any(targets[c.slot].params.guide is not None or targets[c.slot].params.penalized for _, c in asks):
             chunks = list(plan.chunks)  # a grammar's masks and penalties read the draft on the host: it waits for the draws
@@ -776,6 +875,14 @@ class DraftModel:
         index = np.array([offsets[s] + r for _, c in asks for s, r in where[c.slot]], dtype=np.int64)
         draws = torch.cat([step.sample.tokens for step in steps if step.sample is not None])  # each of these steps samples
         return plan, DeviceDraft(draws[torch.from_numpy(index).to(self.engine.device, non_blocking=True)], read)
+
+    def _let_go(self, taken: list[PendingStep]) -> None:
+        """Followed catch-ups that the draft did not take and no slot waits on: their draws are never read."""
+        waiting = [q.step for q in self.followed.values()]
+        for step in self.queued:
+            if step not in waiting and step not in taken:
+                self.engine.forget(step)
+        self.queued = [step for step in self.queued if step in waiting]
 
     def _catch_up(self, slot: int, target: SlotState) -> tuple[list[int], torch.Tensor | None]:
         """The tokens that bring the slot's draft KV up to the target's, the last drawing the first draft token
@@ -799,6 +906,8 @@ class DraftModel:
 
     def reset(self) -> None:
         self.engine.reset()
+        self.followed.clear()
+        self.queued.clear()
 
 
 class EagleDraft(DraftModel):
@@ -838,6 +947,9 @@ class EagleDraft(DraftModel):
         super().mirror(plan)
         for slot in [*plan.freed, *(n.slot for n in plan.new_slots)]:
             self.pending.pop(slot, None)
+
+    def follow(self, step: HostStep, verify: PendingStep) -> None:
+        """Nothing is queued behind a verify: a head's catch-up reads the features of the rows the verify kept."""
 
     def take_features(self, plan: StepPlan, step: HostStep, hidden: torch.Tensor) -> None:
         features = self.target_model.captured if self.target_model.capture else hidden  # EAGLE-3's layers, or the last
