@@ -105,6 +105,10 @@ class VocabParallelEmbedding(nn.Embedding):
         super().__init__(rows, cfg.hidden_size)
         self.tp = tp
 
+    def reset_parameters(self) -> None:
+        """Nothing: the rows come from the checkpoint or the loader's random weights. (nn.Embedding's normal_
+        on the meta device, where the model is built, would import torch._dynamo into every engine process.)"""
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(ids)

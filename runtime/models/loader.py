@@ -50,7 +50,8 @@ def build_model(
         model = MODELS[cfg.architecture](cfg, ops, tp)
     model.fused_ops = ops_name
     model.to(dtype)  # on meta, so that memory is taken once in the model's dtype, not first in float32
-    model.to_empty(device=device)
+    # to_empty's empty_like on meta tensors runs torch's reference ops, which import sympy into every engine process
+    model._apply(lambda t: torch.empty(t.shape, dtype=t.dtype, device=device))
     for buffer in model.buffers():  # counters; to_empty left them unset
         buffer.zero_()
     model.requires_grad_(False)
