@@ -275,8 +275,8 @@ class EngineConfig(CliConfig):
     speculative_disable_by_batch_size: int | None = field(
         default=8,
         metadata=flag(
-            "no drafts while more requests than this run (vLLM's flag; default: where it stopped paying on an H200, "
-            "docs/speculative.md): speculation pays at small batches",
+            "no drafts while more requests than this run (vLLM's flag): speculation pays at small batches, and past 8 "
+            "it stopped paying on an H200 (docs/speculative.md)",
             metavar="N",
         ),
     )
