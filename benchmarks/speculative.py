@@ -174,11 +174,11 @@ def run_arm(name: str, config: EngineConfig, model: Path, args: argparse.Namespa
             current = scale
         for task in args.tasks:
             prompt = llm.tokenizer.encode(task_text(llm, task), add_special_tokens=False)
-            case = figures[case_name(task, scale, args)] = {}
+            label = case_name(task, scale, args)
+            case = figures[label] = {}
             for batch in args.batch_sizes:
                 cell = case[str(batch)] = {"prompt_tokens": len(prompt), **measure(llm, prompt, batch, args)}
                 gave = cell["tokens_per_verify_step"]
-                label = case_name(task, scale, args)
                 print(
                     f"speculative: arm {name} {label} x{batch}: {cell['tok_per_s']} tok/s, {gave} a verify step",
                     file=sys.stderr,

@@ -762,7 +762,7 @@ class DraftModel:
         model draws freely, and the target's verify rows carry the grammar's masks; no log-probabilities)."""
         new = [replace(n, cached=0, params=replace(n.params, guide=None, logprobs=None, prompt_logprobs=None)) for n in plan.new_slots]
         self.engine.apply(StepPlan(freed=plan.freed, new_slots=new, pages=plan.pages))
-        asked = {c.slot for c in plan.chunks if c.drafts and c.token_ids[-1] == DRAFT_HERE}
+        asked = {c.slot for _, c in self._asks(plan)}
         for slot in [*plan.freed, *(n.slot for n in plan.new_slots), *(c.slot for c in plan.chunks), *plan.decodes]:
             if slot not in asked:
                 self.followed.pop(slot, None)  # a queued catch-up holds only until the slot's next step, which draws
@@ -790,7 +790,7 @@ class DraftModel:
             starts.append(start)
         if not chunks:
             return
-        tokens = verify.sample.tokens[torch.from_numpy(np.array(index, dtype=np.int64)).to(self.engine.device, non_blocking=True)]
+        tokens = verify.sample.tokens[self.engine._to_device(np.array(index, dtype=np.int64))]
         queued = self.engine.launch(StepPlan(chunks=chunks), DeviceDraft(tokens))
         self.queued.append(queued)
         row = 0
@@ -804,7 +804,7 @@ class DraftModel:
         draft token after the first. The draws stay on the device for the verify step, which is queued behind
         them (DeviceDraft), unless a drafted slot's grammar or penalties need them on the host first: then
         they are read and written into the plan."""
-        asks = [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
+        asks = self._asks(plan)
         followed = {c.slot: q for _, c in asks if (q := self.followed.pop(c.slot, None)) is not None}
         steps: list[PendingStep] = []  # the draft steps whose draws the verify takes
         try:
@@ -874,7 +874,12 @@ class DraftModel:
         offsets = np.cumsum([0] + [len(step.rows) for step in steps])
         index = np.array([offsets[s] + r for _, c in asks for s, r in where[c.slot]], dtype=np.int64)
         draws = torch.cat([step.sample.tokens for step in steps if step.sample is not None])  # each of these steps samples
-        return plan, DeviceDraft(draws[torch.from_numpy(index).to(self.engine.device, non_blocking=True)], read)
+        return plan, DeviceDraft(draws[self.engine._to_device(index)], read)
+
+    @staticmethod
+    def _asks(plan: StepPlan) -> list[tuple[int, Chunk]]:
+        """The plan's chunks (with their places) whose draft tokens the draft model fills in."""
+        return [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
 
     def _let_go(self, taken: list[PendingStep]) -> None:
         """Followed catch-ups that the draft did not take and no slot waits on: their draws are never read."""
