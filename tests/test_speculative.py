@@ -159,9 +159,10 @@ def test_another_draft_model_changes_no_token(tiny_model, tmp_path):
 
 def test_a_catch_up_queued_behind_its_verify_drafts_what_one_after_it_would(tiny_model, tmp_path, monkeypatch):
     """The draft model's catch-up is queued behind each verify before the host reads it, over every verify row,
-    and the next draft starts from the row after the last kept token. With a draft that keeps some tokens and
-    not others (the target's first layer; the target's second scaled down), deterministic inference gives the
-    drafts, kept counts and tokens of a catch-up launched after the read, and most drafts launch none."""
+    and a branch from each row decodes the rest of the next draft. With a draft that keeps some tokens and not
+    others (the target's first layer; the target's second scaled down), deterministic inference gives the
+    drafts, kept counts and tokens of a catch-up and decodes launched after the read, and most drafts launch
+    neither."""
     from safetensors.torch import load_file, save_file
 
     from runtime.engine.engine import DraftModel
@@ -179,24 +180,26 @@ def test_a_catch_up_queued_behind_its_verify_drafts_what_one_after_it_would(tiny
     prompts = [[random.Random(n).randrange(3, 500) for _ in range(n)] for n in (20, 9, 31)]
     options = dict(dtype="float32", page_size=4, deterministic=True, **STANDALONE, speculative_draft_model_path=str(draft))
 
-    def run(params: SamplingParams, follow: bool) -> tuple[list[list[int]], int, int, int, int]:
-        catch_ups = []  # the draft steps a draft launched over chunks
+    def run(params: SamplingParams, follow: bool) -> tuple[list[list[int]], int, int, int, int, int]:
+        launched = []  # the draft steps a draft launched: (over chunks, over decodes)
         with monkeypatch.context() as patch:
             launch = DraftModel._launch
             patch.setattr(
-                DraftModel, "_launch", lambda self, plan, *rest: (catch_ups.append(bool(plan.chunks)), launch(self, plan, *rest))[1]
+                DraftModel,
+                "_launch",
+                lambda self, plan, *rest: (launched.append((bool(plan.chunks), bool(plan.decodes))), launch(self, plan, *rest))[1],
             )
             if not follow:
                 patch.setattr(DraftModel, "follow", lambda self, step, verify: None)
             llm = LLM(target, **options)
             tokens = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine.speculation
-        return tokens, stats.steps, stats.drafted, stats.kept, sum(catch_ups)
+        return tokens, stats.steps, stats.drafted, stats.kept, *map(sum, zip(*launched))
 
     for params in (SamplingParams(max_tokens=30, temperature=0, ignore_eos=True), SEEDED):
-        (*followed, launched), (*after, launched_after) = run(params, True), run(params, False)
+        (*followed, catch_ups, decodes), (*after, catch_ups_after, decodes_after) = run(params, True), run(params, False)
         assert followed == after and 0 < after[3] < after[2], (followed, after)
-        assert launched < launched_after / 2, (launched, launched_after)
+        assert catch_ups < catch_ups_after / 2 and decodes < decodes_after / 2, (catch_ups, catch_ups_after, decodes, decodes_after)
 
 
 def test_a_grammar_masks_every_draft_row_and_the_output_stays_plain(tiny_smol):

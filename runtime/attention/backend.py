@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import torch
 from torch import Tensor
 
 from runtime.attention.pool import KVPool
@@ -60,6 +61,24 @@ class GraphAttention(AttentionBackend, Protocol):
         caller's step inputs) are sent with the plan's own, in one launch where the backend can."""
         ...
 
-    def wait_for_sent(self) -> None:
-        """Blocks until the last prepare's copies have run, so their pinned sources may be rewritten."""
+    def wait_for_sent(self, staged: Tensor) -> None:
+        """Blocks until the last copy out of `staged` (pinned, a prepare's) has run, so that it may be rewritten."""
         ...
+
+
+STAGING_DEPTH = 4  # pinned buffers a PinnedRing turns through
+
+
+class PinnedRing:
+    """Pinned host buffers taken in turn, for a step's inputs on their way to the device: one is filled while
+    the copies out of the ones before may still wait in the stream behind earlier steps (a draft model queues
+    several steps behind a verify), and only a buffer whose own copy is pending holds the host up."""
+
+    def __init__(self, size: int, dtype: torch.dtype) -> None:
+        self.buffers = [torch.zeros(size, dtype=dtype, pin_memory=True) for _ in range(STAGING_DEPTH)]
+        self.turn = 0
+
+    def take(self) -> Tensor:
+        """The next buffer: wait for its last copy (GraphAttention.wait_for_sent) before writing it."""
+        self.turn = (self.turn + 1) % len(self.buffers)
+        return self.buffers[self.turn]

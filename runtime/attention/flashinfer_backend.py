@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from runtime.attention.backend import GraphWrapper
+from runtime.attention.backend import GraphWrapper, PinnedRing
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.rope import Rope
@@ -27,9 +27,9 @@ class FlashInferAttention:
     also gives CUDA graphs wrappers with fixed buffers, ringllm's split-KV decode among them.
 
     A wrapper's plan stages its work partition in pinned memory and copies it on the stream. With
-    a step in flight, the next plan could overwrite that staging area before the copy ran, so each
-    plan first waits for the copy of the one before, which is queued behind the step before that:
-    with three steps in flight, the wait ends as the oldest of them does."""
+    a step in flight, the next plan could overwrite that staging area before the copy ran, so a plan
+    first waits for the last copy out of the area it writes: flashinfer's wrapper's own, or the next
+    buffer of ringllm's kernel's ring (PinnedRing)."""
 
     def __init__(self, pool: KVPool, num_heads: int, deterministic: bool = False) -> None:
         """`deterministic`: every row, prefill or decode, eager or in a graph, through FA3's paged prefill,
@@ -56,8 +56,7 @@ class FlashInferAttention:
         except ImportError:  # no Triton: step inputs go by cudaMemcpyAsync
             send = _copy_each
         self._send = send
-        self._planned = torch.cuda.Event()
-        self._planned.record()
+        self._sent: dict[int, torch.cuda.Event] = {}  # the last copy out of a staging area, by its address
 
     def _graph_buffers(self, batch_size: int, max_pages: int) -> tuple[Tensor, Tensor, Tensor]:
         """kv indptr, kv indices and last page lengths, fixed for a graph's lifetime."""
@@ -113,20 +112,29 @@ class FlashInferAttention:
     def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None, copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
-        and the next prepare waits for them too."""
-        self.wait_for_sent()
+        and a prepare that rewrites their sources waits for them (wait_for_sent)."""
         self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
         if isinstance(self.active, TritonDecode):
-            copies = [*copies, self.active.plan(meta)]
+            staged = self.active.staging.take()
+            self.wait_for_sent(staged)
+            copies = [*copies, self.active.plan(meta, staged)]
+            areas = [src.data_ptr() for src, _ in copies]
         else:
+            self._wait(id(self.active))  # flashinfer's plan stages into the wrapper's own pinned buffer
             self._plan_flashinfer(meta)
+            areas = [id(self.active), *(src.data_ptr() for src, _ in copies)]
         if copies:
             self._send(copies)
-        self._planned.record()
+        sent = torch.cuda.Event()
+        sent.record()
+        self._sent.update(dict.fromkeys(areas, sent))
 
-    def wait_for_sent(self) -> None:
-        """Blocks until the last prepare's copies have run, so their pinned sources may be rewritten."""
-        self._planned.synchronize()
+    def wait_for_sent(self, staged: Tensor) -> None:
+        self._wait(staged.data_ptr())
+
+    def _wait(self, area: int) -> None:
+        if (sent := self._sent.get(area)) is not None:
+            sent.synchronize()
 
     def _plan_flashinfer(self, meta: AttentionMeta) -> None:
         pool = self.pool
@@ -178,24 +186,24 @@ class FlashInferAttention:
 
 class TritonDecode:
     """A flashinfer decode wrapper's plan and run, for runtime.kernels.triton.decode_attention. A plan
-    stages the step's page lists and lengths in pinned memory, and prepare sends them into the buffer
-    its graph reads; like flashinfer's plans, the next one waits for that copy. `rotates`: the kernel does
-    the rope pass's work too (see FlashInferAttention.triton_decode_graph_wrapper)."""
+    stages the step's page lists and lengths in a buffer of a pinned ring, and prepare sends them into the
+    buffer its graph reads. `rotates`: the kernel does the rope pass's work too (see
+    FlashInferAttention.triton_decode_graph_wrapper)."""
 
     def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor], rotates: bool = True) -> None:
-        self.staged = torch.zeros(2 * batch_size + 1 + max_pages, dtype=torch.int32, pin_memory=True)
-        self.buffer = torch.zeros_like(self.staged, device=device)
+        self.staging = PinnedRing(2 * batch_size + 1 + max_pages, torch.int32)
+        self.buffer = torch.zeros_like(self.staging.buffers[0], device=device)
         b = batch_size
         self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
         self.attend, self.rotates = attend, rotates
 
-    def plan(self, meta: AttentionMeta) -> tuple[Tensor, Tensor]:
-        """Stages the plan; returns the copy (pinned, device) that sends it."""
+    def plan(self, meta: AttentionMeta, staged: Tensor) -> tuple[Tensor, Tensor]:
+        """Stages the plan in `staged` (the ring's, its last copy done); returns the copy (pinned, device) that sends it."""
         b, used = len(self.kv_lens), 2 * len(self.kv_lens) + 1 + len(meta.kv_indices)
         assert len(meta.kv_lens) == b, "a graph's plan has its batch size"
-        staged = self.staged.numpy()
-        staged[: b + 1], staged[b + 1 : 2 * b + 1], staged[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
-        return self.staged[:used], self.buffer[:used]
+        host = staged.numpy()
+        host[: b + 1], host[b + 1 : 2 * b + 1], host[2 * b + 1 : used] = meta.kv_indptr, meta.kv_lens, meta.kv_indices
+        return staged[:used], self.buffer[:used]
 
     def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> Tensor:
         return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope, kv_scales)

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from runtime.attention.backend import GraphAttention, GraphWrapper
+from runtime.attention.backend import GraphAttention, GraphWrapper, PinnedRing
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 
@@ -177,9 +177,9 @@ class DecodeGraphs:
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
         self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
         # positions, K rows, V rows, token sources, tokens (a chunk row's)
-        self.staged = torch.zeros(5, max_batch_size, dtype=torch.int64, pin_memory=True)
-        self.staged[1:3] = torch.from_numpy(self.scratch_rows)[:, None]
-        self.rows = self.staged.to(device)
+        self.staging = PinnedRing(5 * max_batch_size, torch.int64)
+        self.rows = torch.zeros(5, max_batch_size, dtype=torch.int64, device=device)
+        self.rows[1:3] = torch.from_numpy(self.scratch_rows).to(device)[:, None]
 
         def forward(bs: int, batch: ForwardBatch) -> torch.Tensor:
             token_sources[slots : slots + bs].copy_(self.rows[4, :bs])
@@ -242,8 +242,9 @@ class DecodeGraphs:
         replace those rows' tokens (a draft model's, not read back)."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
-        self.attention.wait_for_sent()  # the last step's copy out of `staged`, queued behind the step before it
-        staged = self.staged.numpy()
+        pinned = self.staging.take().view(5, -1)
+        self.attention.wait_for_sent(pinned)  # its last copy may wait behind steps still in the stream
+        staged = pinned.numpy()
         staged[:, n:bs] = 0
         staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
         staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, sources
@@ -253,7 +254,7 @@ class DecodeGraphs:
         graph, logits, wrapper = self.graphs[bs], self.logits[bs], self.wrappers[bs]
         if tokens is not None and bs in self.in_order:
             graph, logits, wrapper = self.in_order[bs]
-        self.attention.prepare(meta, wrapper, copies=[(self.staged, self.rows)])  # with the plan's, one kernel
+        self.attention.prepare(meta, wrapper, copies=[(pinned, self.rows)])  # with the plan's, one kernel
         if drafted is not None:
             self.rows[4].index_put_(drafted[:1], drafted[1])
         graph.replay()

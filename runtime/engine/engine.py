@@ -29,7 +29,7 @@ from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
-from runtime.engine.kv_tiers import HostTier, LayerWaits, namespace
+from runtime.engine.kv_tiers import HostTier, LayerWaits, TorchCopier, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
@@ -44,6 +44,7 @@ from runtime.structured.masks import GrammarMasks
 from transport import env
 
 log = structlog.get_logger()
+BRANCHED_SLOTS = 16  # slots whose next draft a draft model draws ahead of their verify's read, at once (Branches)
 ROW_SEQUENCE_CHUNK = 8  # chunks up to this long run in decode graphs, each row a sequence (Engine._rows_as_sequences)
 STANDBY_HEADROOM_BYTES = 4 << 30  # a standby engine's CUDA context, graphs, workspaces and activations, past its weights
 
@@ -156,12 +157,52 @@ class DeviceDraft:
 @dataclass(frozen=True)
 class Followed:
     """A draft model's catch-up queued behind a verify (DraftModel.follow): `rows` rows from position `start`, drawn
-    in `step` from its row `row` on."""
+    in `step` from its row `row` on; `ahead`: the decode steps that draft on from each of those rows (a branch per
+    row, rows `ahead_row`.. of each step), empty where the slot's draft decodes after the verify is read."""
 
     start: int
     rows: int
     step: PendingStep
     row: int
+    ahead: tuple[PendingStep, ...] = ()
+    ahead_row: int = 0
+
+
+@dataclass(frozen=True)
+class Branches:
+    """Where a draft model drafts ahead of a verify's read (DraftModel._branch): for up to `slots` slots at once,
+    a branch per catch-up row (`rows`: draft tokens + 1), each on a slot of its own from `first_slot` on (past the
+    mirrored ones) and `pages` pages of its own from `first_page` on (past the target's), decoded `decodes` times
+    (draft tokens - 1)."""
+
+    first_slot: int
+    first_page: int
+    slots: int
+    rows: int
+    decodes: int
+    pages: int
+
+    @classmethod
+    def of(cls, config: EngineConfig, first_slot: int, first_page: int) -> Branches | None:
+        """A STANDALONE draft's of more than one draft token; None for others."""
+        draft_tokens, page_size = config.speculative_num_draft_tokens, config.page_size
+        if config.speculative_algorithm != "STANDALONE" or draft_tokens < 2:
+            return None
+        pages = (page_size + draft_tokens - 3) // page_size + 1  # what draft_tokens - 1 positions from any page offset span
+        return cls(first_slot, first_page, BRANCHED_SLOTS, draft_tokens + 1, draft_tokens - 1, pages)
+
+    @property
+    def total_slots(self) -> int:
+        return self.slots * self.rows
+
+    @property
+    def total_pages(self) -> int:
+        return self.total_slots * self.pages
+
+    def slot_and_pages(self, block: int, row: int) -> tuple[int, list[int]]:
+        """The slot and pages of the branch from catch-up row `row` of the `block`-th slot branched at once."""
+        n = block * self.rows + row
+        return self.first_slot + n, list(range(self.first_page + n * self.pages, self.first_page + (n + 1) * self.pages))
 
 
 @dataclass
@@ -239,8 +280,14 @@ class Engine:
         if (path := config.speculative_draft_model_path) is None:
             return
         folder = resolve_model_dir(path)
+        branches = Branches.of(config, config.max_running_requests, self.num_pages)
         draft_config = replace(
-            config, num_pages=self.num_pages, speculative_algorithm=None, speculative_draft_model_path=None, hierarchical_cache=False
+            config,
+            num_pages=self.num_pages + (branches.total_pages if branches else 0),
+            max_running_requests=config.max_running_requests + (branches.total_slots if branches else 0),
+            speculative_algorithm=None,
+            speculative_draft_model_path=None,
+            hierarchical_cache=False,
         )
         head = None
         if config.speculative_algorithm != "STANDALONE":
@@ -249,7 +296,7 @@ class Engine:
         draft = Engine(folder, draft_config, SINGLE, self.device, model_config=head)
         if draft.model_config.vocab_size != self.model_config.vocab_size or draft.max_pages_per_seq < self.max_pages_per_seq:
             raise ValueError(f"the draft model {path} needs the target's vocabulary and at least its context")
-        self.drafter = DraftModel(draft) if head is None else EagleDraft(draft, self)
+        self.drafter = DraftModel(draft, branches) if head is None else EagleDraft(draft, self)
 
     def _load_weights(self, model_dir: Path, model_config: ModelConfig | None) -> None:
         """The checkpoint's config, the dtypes of the weights and the KV cache, and the model's weights
@@ -421,7 +468,8 @@ class Engine:
 
     def draft_cost(self) -> tuple[int, int]:
         """A draft model's or head's weights (dense, in this engine's dtype, with a tenth more for its
-        activations and graphs) and its KV bytes a page of this pool's; (0, 0) without a draft model."""
+        activations and graphs) and its branches' pages, and its KV bytes a page of this pool's; (0, 0) without a
+        draft model."""
         if (path := self.config.speculative_draft_model_path) is None:
             return 0, 0
         draft = ModelConfig.load(resolve_model_dir(path))
@@ -429,7 +477,8 @@ class Engine:
         embeddings = draft.vocab_size * draft.hidden_size * (1 if draft.tie_word_embeddings else 2)
         params = draft.num_layers * (attention + 3 * draft.hidden_size * draft.intermediate_size) + embeddings
         page = KVPool.bytes_per_page(draft.num_layers, self.config.page_size, draft.num_kv_heads, draft.head_dim, self.kv_dtype)
-        return int(params * self.dtype.itemsize * 1.1), page
+        branches = Branches.of(self.config, 0, 0)
+        return int(params * self.dtype.itemsize * 1.1) + (branches.total_pages * page if branches else 0), page
 
     def apply(self, plan: StepPlan) -> None:
         """The plan's freed and new slots and their pages (launch applies each plan first)."""
@@ -747,13 +796,16 @@ class DraftModel:
 
     The catch-up after a verify is queued right behind it, before the host reads it (`follow`): over every verify
     row, each fed the target's draw there, so that the row after the last kept token is among them whatever the
-    verify keeps. Reading the verify and planning the next step then overlap the GPU's work, and the next draft
-    starts from that row's draw."""
+    verify keeps. Behind the catch-up, a branch per row decodes the rest of the next draft from that row's draw.
+    Reading the verify and planning the next step then overlap the GPU's work, and the next draft is one branch's
+    draws, picked on the device."""
 
     reads_hidden = False  # from the target's steps (take_features)
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, engine: Engine, branches: Branches | None = None) -> None:
+        """`branches`: where `follow` drafts ahead of the read (the engine's slots and pages past the mirrored
+        ones); None: the draft decodes after it."""
+        self.engine, self.branches = engine, branches
         self.followed: dict[int, Followed] = {}  # slot -> its catch-up queued behind its last verify
         self.queued: list[PendingStep] = []  # those catch-ups' steps, until a draft takes them or none waits on them
 
@@ -769,9 +821,9 @@ class DraftModel:
 
     def follow(self, step: HostStep, verify: PendingStep) -> None:
         """Queues the catch-up over each verify chunk's rows behind it (the class's note): row j at the chunk's
-        position + 1 + j, fed the target's draw after verify row j. Rows past the slot's pages are left out (a
-        verify that keeps more catches up as before), and so are slots whose drafts the host reads (grammars,
-        penalties: their draft rows need the request's outputs)."""
+        position + 1 + j, fed the target's draw after verify row j; then the branches that draft on from its rows.
+        Rows past the slot's pages are left out (a verify that keeps more catches up as before), and so are slots
+        whose drafts the host reads (grammars, penalties: their draft rows need the request's outputs)."""
         assert verify.sample is not None  # a verify draws
         page_size = self.engine.config.page_size
         chunks, index, starts = [], [], []
@@ -792,18 +844,64 @@ class DraftModel:
             return
         tokens = verify.sample.tokens[self.engine._to_device(np.array(index, dtype=np.int64))]
         queued = self.engine.launch(StepPlan(chunks=chunks), DeviceDraft(tokens))
-        self.queued.append(queued)
+        ahead, first_branch = self._branch(chunks, starts, queued) if self.branches else ((), {})
+        self.queued += [queued, *ahead]
         row = 0
         for chunk, start in zip(chunks, starts):
-            self.followed[chunk.slot] = Followed(start, len(chunk.token_ids), queued, row)
-            row += len(chunk.token_ids)
+            branched = chunk.slot in first_branch
+            rows = len(chunk.token_ids)
+            self.followed[chunk.slot] = Followed(start, rows, queued, row, ahead if branched else (), first_branch.get(chunk.slot, 0))
+            row += rows
+
+    def _branch(self, chunks: list[Chunk], starts: list[int], catch_up: PendingStep) -> tuple[tuple[PendingStep, ...], dict[int, int]]:
+        """Queues a branch per catch-up row (`follow`'s chunks from `starts`): a slot of the branches', on the
+        slot's pages up to the row and on pages of its own after it (the row's page copied there), fed the row's
+        draw and decoded once per draft token after the first. Returns the decode steps and, per branched slot,
+        the row of its first branch in them."""
+        branches, engine = self.branches, self.engine
+        assert branches is not None and catch_up.sample is not None  # follow branches where there are branches; a catch-up draws
+        page_size, table = engine.config.page_size, engine.page_table
+        slots, sources, first_branch, copies = [], [], {}, ([], [])
+        row = 0
+        for chunk, start in zip(chunks, starts):
+            rows = len(chunk.token_ids)
+            end = start + rows + branches.decodes  # past the last branch's last position
+            fits = end <= engine.model_config.max_position and (start + rows) // page_size + branches.pages <= engine.max_pages_per_seq
+            if len(first_branch) < branches.slots and fits:
+                first_branch[chunk.slot] = len(slots)
+                state = engine.slots[chunk.slot]
+                for j in range(rows):
+                    slot, pages = branches.slot_and_pages(len(first_branch) - 1, j)
+                    first = start + j + 1  # the branch's first position of its own
+                    held = first // page_size
+                    table[slot, :held] = table[chunk.slot, :held]
+                    table[slot, held : held + len(pages)] = pages
+                    if first % page_size:
+                        copies[0].append(int(table[chunk.slot, held]))
+                        copies[1].append(pages[0])
+                    engine.lengths[slot] = first
+                    sampled = first + 1 - len(state.prompt_ids)  # its first decode draws the token after `first`
+                    engine.slots[slot] = SlotState(state.rid, state.params, state.seed, state.prompt_ids, [], sampled)
+                    slots.append(slot)
+                    sources.append(row + j)
+            row += rows
+        if not slots:
+            return (), {}
+        if copies[0]:
+            copy = TorchCopier().prepare(engine.pool, copies[0], engine.pool, copies[1])
+            for layer in range(len(engine.pool.kv)):
+                copy(layer)
+        drawn = catch_up.sample.tokens[engine._to_device(np.array(sources, dtype=np.int64))]
+        engine.last_tokens[engine._to_device(np.array(slots, dtype=np.int64))] = drawn
+        return tuple(engine.launch(StepPlan(decodes=slots)) for _ in range(branches.decodes)), first_branch
 
     def draft(self, plan: StepPlan, targets: dict[int, SlotState]) -> tuple[StepPlan, DeviceDraft | None]:
         """Draws the plan's DRAFT_HERE tokens: a step over each drafted slot's tokens the draft model lacks (a
         long catch-up, as a prompt's first, in prefill-sized steps before it), then a decode step for each
-        draft token after the first. The draws stay on the device for the verify step, which is queued behind
-        them (DeviceDraft), unless a drafted slot's grammar or penalties need them on the host first: then
-        they are read and written into the plan."""
+        draft token after the first; a slot whose catch-up and branches were queued behind its verify takes
+        their draws. The draws stay on the device for the verify step, which is queued behind them
+        (DeviceDraft), unless a drafted slot's grammar or penalties need them on the host first: then they are
+        read and written into the plan."""
         asks = self._asks(plan)
         followed = {c.slot: q for _, c in asks if (q := self.followed.pop(c.slot, None)) is not None}
         steps: list[PendingStep] = []  # the draft steps whose draws the verify takes
@@ -825,15 +923,14 @@ class DraftModel:
         budget = self.engine.config.max_prefill_tokens
         assert budget is not None  # EngineConfig fills in the device's default
         ends: list[tuple[Chunk, torch.Tensor | None]] = []
-        caught: dict[int, tuple[int, int]] = {}  # slot -> its first draft token's (step, row), from a followed catch-up
+        where: dict[int, list[tuple[PendingStep, int]]] = {c.slot: [] for _, c in asks}  # slot -> its draft tokens' (step, row)
         for _, chunk in asks:
             target, mine = targets[chunk.slot], self.engine.slots[chunk.slot]
             mine.output_ids, mine.sampled = list(target.output_ids), len(target.output_ids)
             known = len(target.prompt_ids) + len(target.output_ids)  # the last known token is at known - 1
-            if (queued := followed.get(chunk.slot)) is not None and 0 <= known - 1 - queued.start < queued.rows:
-                if queued.step not in steps:
-                    steps.append(queued.step)
-                caught[chunk.slot] = (steps.index(queued.step), queued.row + known - 1 - queued.start)
+            if (queued := followed.get(chunk.slot)) is not None and 0 <= (kept := known - 1 - queued.start) < queued.rows:
+                ahead = [(step, queued.ahead_row + kept) for step in queued.ahead[: chunk.drafts - 1]]
+                where[chunk.slot] = [(queued.step, queued.row + kept), *ahead]
                 self.engine.lengths[chunk.slot] = known  # that row wrote the last known token's KV
                 mine.sampled += 1  # and drew the first draft token
                 continue
@@ -843,36 +940,41 @@ class DraftModel:
                 piece = None if features is None else features[start : start + budget]
                 self._launch(StepPlan(chunks=[Chunk(chunk.slot, tokens[start : start + budget], False)]), [piece])
             ends.append((Chunk(chunk.slot, tokens[last:], True), None if features is None else features[last:]))
+        launched: list[PendingStep] = []
         group: list[tuple[Chunk, torch.Tensor | None]] = []
         for end in ends:  # the last pieces, in steps of a budget's rows at most
             if group and sum(len(c.token_ids) for c, _ in group) + len(end[0].token_ids) > budget:
-                steps.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
+                launched.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
                 group = []
             group.append(end)
         if group:
-            steps.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
-        for slot, (s, r) in caught.items():  # a followed catch-up drew every row: the slot's next decode feeds this one
-            sample = steps[s].sample
-            assert sample is not None  # a catch-up draws
-            self.engine.last_tokens[slot : slot + 1] = sample.tokens[r : r + 1]
-        for j in range(1, max(c.drafts for _, c in asks)):
-            steps.append(self._launch(StepPlan(decodes=[c.slot for _, c in asks if c.drafts > j])))
+            launched.append(self._launch(StepPlan(chunks=[c for c, _ in group]), [f for _, f in group]))
+        for step in launched:
+            for r, slot in enumerate(step.slots):
+                where[slot].append((step, r))
+        decoding = [c for _, c in asks if len(where[c.slot]) < c.drafts]
+        for c in decoding:
+            (step, r), *_ = where[c.slot]
+            if c.slot in followed and step is followed[c.slot].step:  # a followed catch-up drew every row: the slot's
+                sample = step.sample  # next decode feeds this one
+                assert sample is not None  # a catch-up draws
+                self.engine.last_tokens[c.slot : c.slot + 1] = sample.tokens[r : r + 1]
+        for j in range(1, max((c.drafts for c in decoding), default=0)):
+            step = self._launch(StepPlan(decodes=[c.slot for c in decoding if c.drafts > j]))
+            for r, slot in enumerate(step.slots):
+                where[slot].append((step, r))
         self._drafted([c.slot for _, c in asks])
-        where: dict[int, list[tuple[int, int]]] = {c.slot: [] for _, c in asks}  # slot -> its draft tokens' (step, row)
-        for slot, place in caught.items():
-            where[slot].append(place)
-        for s, step in enumerate(steps):
-            if not any(step is q.step for q in followed.values()):  # a followed catch-up's rows: only the one caught
-                for r, slot in enumerate(step.slots):
-                    where[slot].append((s, r))
-        read = lambda slot: [steps[s].result()[r].token for s, r in where[slot]]  # noqa: E731
+        for step, _ in (place for places in where.values() for place in places):
+            if step not in steps:
+                steps.append(step)
+        read = lambda slot: [step.result()[r].token for step, r in where[slot]]  # noqa: E731
         if any(targets[c.slot].params.guide is not None or targets[c.slot].params.penalized for _, c in asks):
             chunks = list(plan.chunks)  # a grammar's masks and penalties read the draft on the host: it waits for the draws
             for i, chunk in asks:
                 chunks[i] = replace(chunk, token_ids=chunk.token_ids[: -chunk.drafts] + read(chunk.slot))
             return replace(plan, chunks=chunks), None
-        offsets = np.cumsum([0] + [len(step.rows) for step in steps])
-        index = np.array([offsets[s] + r for _, c in asks for s, r in where[c.slot]], dtype=np.int64)
+        offsets = dict(zip(map(id, steps), np.cumsum([0] + [len(step.rows) for step in steps]).tolist()))
+        index = np.array([offsets[id(step)] + r for _, c in asks for step, r in where[c.slot]], dtype=np.int64)
         draws = torch.cat([step.sample.tokens for step in steps if step.sample is not None])  # each of these steps samples
         return plan, DeviceDraft(draws[self.engine._to_device(index)], read)
 
@@ -882,8 +984,9 @@ class DraftModel:
         return [(i, c) for i, c in enumerate(plan.chunks) if c.drafts and c.token_ids[-1] == DRAFT_HERE]
 
     def _let_go(self, taken: list[PendingStep]) -> None:
-        """Followed catch-ups that the draft did not take and no slot waits on: their draws are never read."""
-        waiting = [q.step for q in self.followed.values()]
+        """Followed catch-ups and branches that the draft did not take and no slot waits on: their draws are never
+        read."""
+        waiting = [step for q in self.followed.values() for step in (q.step, *q.ahead)]
         for step in self.queued:
             if step not in waiting and step not in taken:
                 self.engine.forget(step)
