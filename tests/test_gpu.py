@@ -818,3 +818,19 @@ def test_verify_and_catch_up_chunks_in_decode_graphs_give_the_tokens_of_plain_de
         assert [tokens for tokens, _ in drafted] == [tokens for tokens, _ in plain]
     else:
         assert_same_greedy_tokens(plain, drafted, "verify in decode graphs")
+
+
+def test_a_weak_draft_model_drafting_ahead_of_each_verify_changes_no_token(tmp_path):
+    """A draft model of the target's first layer drafts 4 tokens a step: of the catch-up and branches queued behind
+    each verify, the next draft takes one branch's draws, and none where a request ends (their pinned draws are
+    held until written). The tokens stay plain decoding's but for near-ties."""
+    model_dir = build("qwen3", tmp_path / "target", head_dim=128)
+    draft_dir = build("qwen3", tmp_path / "draft", head_dim=128, num_hidden_layers=1)
+    options = {"device": "cuda", "dtype": "bfloat16", "page_size": PAGE, "num_pages": 512}
+    plain = greedy_tokens(LLM(model_dir, **options))
+    drafting = {"speculative_draft_model_path": str(draft_dir), "speculative_num_draft_tokens": 4}
+    llm = LLM(model_dir, **options, speculative_algorithm="STANDALONE", **drafting)
+    for _ in range(3):
+        drafted = greedy_tokens(llm)
+        assert_same_greedy_tokens(plain, drafted, "weak draft model")
+    assert llm.engine.speculation.drafted > 0

@@ -357,6 +357,9 @@ class Engine:
         self.slots: dict[int, SlotState] = {}
         self.grammars = GrammarMasks(model_dir, cfg.vocab_size, cfg.eos_token_ids, config.grammar_compile_timeout)
         self._unread: deque[PendingStep] = deque()
+        # steps no one will read, held until the device is done with them: the sampler writes a step's draws into
+        # its pinned host buffer itself, which freed earlier could be handed out again before that write
+        self._forgotten: list[PendingStep] = []
         # the last launch's host time spent reading earlier draws back and filling grammar masks (steps that need them)
         self.host_waits: dict[str, float] = {}
 
@@ -758,9 +761,12 @@ class Engine:
             self._unread.popleft().result()
 
     def forget(self, step: PendingStep) -> None:
-        """A queued step whose draws nobody will read (a draft model's catch-up no draft took): no longer waited on."""
+        """A queued step whose draws nobody will read (a draft model's catch-up or branch no draft took): no longer
+        waited on, and held only until the device has written them."""
+        self._forgotten = [held for held in self._forgotten if not held.ready()]
         if step in self._unread:
             self._unread.remove(step)
+            self._forgotten.append(step)
 
     def reset(self) -> list[HeldKV]:
         """Forget every slot (a new epoch): the next plans open them afresh. Returns what the pool holds
