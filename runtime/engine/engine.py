@@ -44,7 +44,7 @@ from runtime.structured.masks import GrammarMasks
 from transport import env
 
 log = structlog.get_logger()
-BRANCHED_SLOTS = 16  # slots whose next draft a draft model draws ahead of their verify's read, at once (Branches)
+BRANCHED_SLOTS = 16  # the most slots whose next draft a draft model draws ahead of their verify's read (Branches)
 ROW_SEQUENCE_CHUNK = 8  # chunks up to this long run in decode graphs, each row a sequence (Engine._rows_as_sequences)
 STANDBY_HEADROOM_BYTES = 4 << 30  # a standby engine's CUDA context, graphs, workspaces and activations, past its weights
 
@@ -189,7 +189,8 @@ class Branches:
         if config.speculative_algorithm != "STANDALONE" or draft_tokens < 2:
             return None
         pages = (page_size + draft_tokens - 3) // page_size + 1  # what draft_tokens - 1 positions from any page offset span
-        return cls(first_slot, first_page, BRANCHED_SLOTS, draft_tokens + 1, draft_tokens - 1, pages)
+        slots = min(BRANCHED_SLOTS, config.max_running_requests)
+        return cls(first_slot, first_page, slots, draft_tokens + 1, draft_tokens - 1, pages)
 
     @property
     def total_slots(self) -> int:
@@ -860,7 +861,7 @@ class DraftModel:
             row += rows
 
     def _branch(self, chunks: list[Chunk], starts: list[int], catch_up: PendingStep) -> tuple[tuple[PendingStep, ...], dict[int, int]]:
-        """Queues a branch per catch-up row (`follow`'s chunks from `starts`): a slot of the branches', on the
+        """Queues a branch per catch-up row (`follow`'s chunks from `starts`): a slot of its own (Branches), on the
         slot's pages up to the row and on pages of its own after it (the row's page copied there), fed the row's
         draw and decoded once per draft token after the first. Returns the decode steps and, per branched slot,
         the row of its first branch in them."""
@@ -1002,7 +1003,9 @@ class DraftModel:
         """The tokens that bring the slot's draft KV up to the target's, the last drawing the first draft token
         (and a head's features for them)."""
         known = target.prompt_ids + target.output_ids
-        return known[int(self.engine.lengths[slot]) :], None
+        begin = min(int(self.engine.lengths[slot]), len(known) - 1)  # the last known token at least: it draws
+        self.engine.lengths[slot] = begin
+        return known[begin:], None
 
     def _launch(self, plan: StepPlan, features: list[torch.Tensor | None] | None = None) -> PendingStep:
         """Queues a draft step; `features`: a head's, one tensor per chunk."""
