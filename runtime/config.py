@@ -41,7 +41,7 @@ class RopeConfig:
 
 @dataclass(frozen=True)
 class MoeConfig:
-    """Qwen3-MoE's sparse blocks: top_k of num_experts SiLU-gated MLPs per token, weighted by the
+    """Qwen3-MoE's and Mixtral's sparse blocks: top_k of num_experts SiLU-gated MLPs per token, weighted by the
     router's softmax (renormalised over the chosen when norm_topk_prob)."""
 
     num_experts: int
@@ -125,6 +125,14 @@ class ModelConfig:
                 decoder_sparse_step=raw.get("decoder_sparse_step", 1),
                 mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             )
+        elif arch == "MixtralForCausalLM":  # every layer sparse, its top-k always renormalised
+            moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
+        max_position = raw.get("max_position_embeddings", 4096)
+        if (window := raw.get("sliding_window")) and raw.get("use_sliding_window", True) and window < max_position:
+            # every layer attends to its last `window` tokens (Mistral-7B-v0.1, Phi-3-mini-4k): exact up to there,
+            # so the context stops there until windows are served
+            log.warning("sliding_window_caps_context", architecture=arch, sliding_window=window, max_position=max_position)
+            max_position = window
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -135,7 +143,7 @@ class ModelConfig:
             num_kv_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
-            max_position=raw.get("max_position_embeddings", 4096),
+            max_position=max_position,
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             output_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),

@@ -24,7 +24,7 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     llama3_rope = {
         "rope_type": "llama3",
@@ -43,6 +43,8 @@ def _configs():
             Qwen3MoeConfig,
             dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
         ),
+        # 4 experts of the layer's intermediate size, top 2 renormalised; checkpoint names of its own
+        "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=None)),
         # 6 experts, top 3 as the softmax gives them; layers 1 sparse, 0 and 2 dense by the step, 3 dense by name
         "qwen3_moe_mixed": (
             Qwen3MoeConfig,
@@ -61,7 +63,7 @@ def _configs():
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
 
 
 def build(name: str, folder: Path, **overrides) -> Path:

@@ -23,6 +23,10 @@ from runtime.models.moe import SparseMoe
 from runtime.models.sharding import vocab_shard
 
 # checkpoint name part -> (our parameter name part, shard index)
+# checkpoint names -> these modules' names, by architecture: Mixtral's sparse MLP and its experts' projections
+CHECKPOINT_RENAMES = {
+    "MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+}
 STACKED = {
     "q_proj": ("qkv_proj", 0),
     "k_proj": ("qkv_proj", 1),
@@ -203,6 +207,8 @@ class DecoderForCausalLM(nn.Module):
 
     def checkpoint_name(self, name: str) -> str | None:
         """The parameter a checkpoint tensor loads into, by its name there (a draft head's differ); None: unused."""
+        for old, new in CHECKPOINT_RENAMES.get(self.config.architecture, ()):
+            name = name.replace(old, new)
         return name
 
     def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:

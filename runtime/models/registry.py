@@ -8,6 +8,7 @@ from runtime.models.eagle import Eagle3Head, EagleHead
 MODELS: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
     "MistralForCausalLM": DecoderForCausalLM,
+    "MixtralForCausalLM": DecoderForCausalLM,
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
