@@ -112,6 +112,8 @@ class ModelConfig:
         )
         if rope.kind not in ("default", "llama3"):
             raise ValueError(f"rope type {rope.kind!r} is not supported")
+        if float(rope_raw.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
+            raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")
         eos = raw.get("eos_token_id")
         heads = raw["num_attention_heads"]
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0

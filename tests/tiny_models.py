@@ -24,7 +24,7 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
     llama3_rope = {
         "rope_type": "llama3",
@@ -38,6 +38,8 @@ def _configs():
         "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
         "qwen3": (Qwen3Config, dict(head_dim=32)),
         "mistral": (MistralConfig, dict(sliding_window=None)),
+        # q/k/v and gate/up fused in the checkpoint
+        "phi3": (Phi3Config, dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
         # 8 experts, top 2 renormalised, every layer sparse
         "qwen3_moe": (
             Qwen3MoeConfig,
@@ -62,7 +64,7 @@ def _configs():
     }
 
 
-ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral")
+ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
 
 

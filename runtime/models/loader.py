@@ -129,13 +129,14 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
             for stored in f.keys():
                 if (name := model.checkpoint_name(stored)) is None or name in shared:
                     continue
-                if (found := destination(name)) is not None:
-                    key, target = found
-                    target.copy_(shard(name, read(stored, f)))
-                    missing.discard(key)
-                    loaded.add(key)
-                elif not name.endswith(IGNORED) and name not in scales:
-                    unknown.append(name)
+                for part, source in _unfused(name, read(stored, f), model.config):
+                    if (found := destination(part)) is not None:
+                        key, target = found
+                        target.copy_(shard(part, source))
+                        missing.discard(key)
+                        loaded.add(key)
+                    elif not part.endswith(IGNORED) and part not in scales:
+                        unknown.append(part)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")
     for name in optional - loaded:
@@ -143,6 +144,24 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
     if unknown:  # a tensor the model has no place for would be silently lost: a wrong model
         raise ValueError(f"{model_dir} has weights this model does not use: {sorted(unknown)[:5]}")
     log.info("weights_loaded", model_dir=str(model_dir), files=len(files))
+
+
+def _unfused(name: str, source: Any, cfg: ModelConfig) -> list[tuple[str, Any]]:
+    """A checkpoint tensor as the parts other checkpoints name: Phi-3's fuse q, k and v (`qkv_proj`), and gate
+    and up (`gate_up_proj`), each into one; they are split by rows, so that every rank takes its shard of each."""
+    prefix, fused, kind = name.rsplit(".", 2) if name.count(".") >= 2 else (name, "", "")
+    if fused == "qkv_proj":
+        q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+        sizes = {"q_proj": q, "k_proj": kv, "v_proj": kv}
+    elif fused == "gate_up_proj" and ".experts" not in prefix:
+        sizes = {"gate_proj": cfg.intermediate_size, "up_proj": cfg.intermediate_size}
+    else:
+        return [(name, source)]
+    whole, start, parts = source[:], 0, []
+    for part, rows in sizes.items():
+        parts.append((f"{prefix}.{part}.{kind}", whole[start : start + rows]))
+        start += rows
+    return parts
 
 
 def _random_weights(model: nn.Module) -> None:

@@ -9,6 +9,7 @@ MODELS: dict[str, type[DecoderForCausalLM]] = {
     "LlamaForCausalLM": DecoderForCausalLM,
     "MistralForCausalLM": DecoderForCausalLM,
     "MixtralForCausalLM": DecoderForCausalLM,
+    "Phi3ForCausalLM": DecoderForCausalLM,  # Phi-3 and Phi-4: Llama's layers, q/k/v and gate/up fused in the checkpoint
     "Qwen2ForCausalLM": DecoderForCausalLM,
     "Qwen3ForCausalLM": DecoderForCausalLM,
     "Qwen3MoeForCausalLM": DecoderForCausalLM,
