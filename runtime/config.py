@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,30 @@ class RopeConfig:
     low_freq_factor: float = 1.0
     high_freq_factor: float = 4.0
     original_max_position: int = 8192
+    short_factor: tuple[float, ...] = ()  # LongRoPE's: each frequency's divisor below original_max_position
+    long_factor: tuple[float, ...] = ()  # ... and from there on
+    attention_factor: float = 1.0  # LongRoPE's: cos and sin scaled by it
+
+    @classmethod
+    def from_dict(cls, rope: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
+        """From config.json's rope_parameters (or rope_scaling) and the rest of it (`raw`)."""
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        original = int(rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192)))
+        config = cls(
+            theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
+            kind=kind,
+            factor=float(rope.get("factor", 1.0)),
+            low_freq_factor=float(rope.get("low_freq_factor", 1.0)),
+            high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
+            original_max_position=original,
+        )
+        if kind != "longrope":
+            return config
+        # as transformers: the factor is the context's stretch over pretraining, the attention factor from it
+        factor = rope.get("factor") or raw.get("max_position_embeddings", original) / original
+        attention = rope.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
+        short, long = tuple(map(float, rope["short_factor"])), tuple(map(float, rope["long_factor"]))
+        return replace(config, factor=float(factor), short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
 @dataclass(frozen=True)
@@ -102,15 +127,8 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = raw["architectures"][0]
         rope_raw = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-        rope = RopeConfig(
-            theta=float(rope_raw.get("rope_theta", raw.get("rope_theta", 10000.0))),
-            kind=rope_raw.get("rope_type", rope_raw.get("type", "default")),
-            factor=float(rope_raw.get("factor", 1.0)),
-            low_freq_factor=float(rope_raw.get("low_freq_factor", 1.0)),
-            high_freq_factor=float(rope_raw.get("high_freq_factor", 4.0)),
-            original_max_position=int(rope_raw.get("original_max_position_embeddings", 8192)),
-        )
-        if rope.kind not in ("default", "llama3"):
+        rope = RopeConfig.from_dict(rope_raw, raw)
+        if rope.kind not in ("default", "llama3", "longrope"):
             raise ValueError(f"rope type {rope.kind!r} is not supported")
         if float(rope_raw.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
             raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")

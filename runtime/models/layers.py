@@ -219,8 +219,11 @@ class OneRowFusion:
 NO_FUSION = OneRowFusion()
 
 
-def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
+def rope_inv_freq(head_dim: int, rope: RopeConfig, divisors: tuple[float, ...] = ()) -> Tensor:
+    """Each rotated pair's angle per position; `divisors`: LongRoPE's factors, one a pair."""
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
+    if divisors:
+        inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32)
     if rope.kind == "llama3":  # stretch low frequencies by `factor`, blend the band in between
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor
@@ -234,6 +237,15 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig) -> Tensor:
 
 
 def rope_cos_sin_cache(max_position: int, head_dim: int, rope: RopeConfig) -> Tensor:
-    """[max_position, head_dim] fp32: cos of each half's angles, then sin (sgl-kernel's layout)."""
-    freqs = torch.arange(max_position, dtype=torch.int64).float()[:, None] * rope_inv_freq(head_dim, rope)[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    """[max_position, head_dim] fp32: cos of each half's angles, then sin (sgl-kernel's layout). LongRoPE's short
+    factors hold below the pretraining length and its long ones from there on, each position's own (keys written
+    before a sequence passes that length keep the short ones, as in vLLM and SGLang), all scaled by its attention
+    factor."""
+    positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
+    if rope.kind != "longrope":
+        freqs = positions * rope_inv_freq(head_dim, rope)[None, :]
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+    switch = rope.original_max_position
+    short, long = (rope_inv_freq(head_dim, rope, factors)[None, :] for factors in (rope.short_factor, rope.long_factor))
+    freqs = torch.cat((positions[:switch] * short, positions[switch:] * long))
+    return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_factor
