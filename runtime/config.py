@@ -149,7 +149,7 @@ class ModelConfig:
             moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
         max_position = raw.get("max_position_embeddings", 4096)
         if (window := raw.get("sliding_window")) and raw.get("use_sliding_window", True) and window < max_position:
-            # every layer attends to its last `window` tokens (Mistral-7B-v0.1, Phi-3-mini-4k): exact up to there,
+            # every layer attends to its last `window` tokens (Mistral-7B-v0.1): exact up to there,
             # so the context stops there until windows are served
             log.warning("sliding_window_caps_context", architecture=arch, sliding_window=window, max_position=max_position)
             max_position = window
