@@ -21,16 +21,9 @@ pytestmark = pytest.mark.slow  # groups of rank processes, and a served group wh
 
 # Qwen3 with one KV head (replicated on both ranks); Mistral (Llama's layers) with a vocabulary that
 # does not halve (the last shard is padded); Qwen2 with q/k/v biases and tied embeddings; Qwen3-MoE with
-# experts split by their intermediate rows, dense layers among the sparse; Mixtral's checkpoint names; Phi-3's
-# fused q/k/v and gate/up, split before sharding
-OVERRIDES = {
-    "qwen2": {},
-    "qwen3": {"num_key_value_heads": 1},
-    "mistral": {"vocab_size": 509},
-    "qwen3_moe_mixed": {},
-    "mixtral": {},
-    "phi3": {},
-}
+# experts split by their intermediate rows, dense layers among the sparse (Mixtral's shard alike); Phi-3's fused
+# q/k/v and gate/up, split before sharding
+OVERRIDES = {"qwen2": {}, "qwen3": {"num_key_value_heads": 1}, "mistral": {"vocab_size": 509}, "qwen3_moe_mixed": {}, "phi3": {}}
 SPLIT = dict(dtype="float32", page_size=16, max_prefill_tokens=24)  # prompts of 40-61 tokens take 2-3 chunks
 PREFIX = [(7 * i) % 500 + 3 for i in range(40)]
 PROMPTS = [PREFIX + [11, 12], PREFIX + [13], [(5 * i) % 500 + 2 for i in range(61)], [9, 8, 7]]
