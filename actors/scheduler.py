@@ -140,7 +140,7 @@ class SchedulerActor(Actor):
         serve = self.options["serve"]
         model = ModelConfig.load(Path(serve.model_dir))
         self.engine_config, self.stats_interval = serve.engine, serve.stats_interval
-        self.eos, self.max_position = model.eos_token_ids, model.max_position
+        self.eos, self.max_position, self.long_rope_from = model.eos_token_ids, model.max_position, model.long_rope_from
         self.replica = self.options["replica"]
         self.engines = engine_names(serve, self.replica)
         engine = self.control.slots[self.control.index(self.engines[0])]
@@ -169,7 +169,9 @@ class SchedulerActor(Actor):
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
-        self.core = Scheduler(self.engine_config, self.num_pages, self.eos, self.max_position, self.host_pages)
+        self.core = Scheduler(
+            self.engine_config, self.num_pages, self.eos, self.max_position, self.host_pages, long_rope_from=self.long_rope_from
+        )
         self.counted_hits = dict.fromkeys(self.core.tier_hits, 0)  # tier hits counted in /metrics, of this core's
         self.announce: dict[int, list[int]] = {}  # a replay's tokens so far, until the request's first tokens go out
         self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end

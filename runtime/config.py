@@ -46,7 +46,11 @@ class RopeConfig:
     def from_dict(cls, rope: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
         """From config.json's rope_parameters (or rope_scaling) and the rest of it (`raw`)."""
         kind = rope.get("rope_type", rope.get("type", "default"))
-        original = int(rope.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", 8192)))
+        if kind in ("su", "yarn") and raw["architectures"][0] == "Phi3ForCausalLM":  # Phi-3's older names of LongRoPE
+            kind = "longrope"
+        # as transformers: the top-level value first (Phi-3's), and for LongRoPE the context itself without either
+        fallback = raw.get("max_position_embeddings", 8192) if kind == "longrope" else 8192
+        original = int(raw.get("original_max_position_embeddings") or rope.get("original_max_position_embeddings") or fallback)
         config = cls(
             theta=float(rope.get("rope_theta", raw.get("rope_theta", 10000.0))),
             kind=kind,
@@ -148,7 +152,8 @@ class ModelConfig:
         elif arch == "MixtralForCausalLM":  # every layer sparse, its top-k always renormalised
             moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
         max_position = raw.get("max_position_embeddings", 4096)
-        if (window := raw.get("sliding_window")) and raw.get("use_sliding_window", True) and window < max_position:
+        windowed = raw.get("use_sliding_window", arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
+        if (window := raw.get("sliding_window")) and windowed and window < max_position:
             # every layer attends to its last `window` tokens (Mistral-7B-v0.1): exact up to there,
             # so the context stops there until windows are served
             log.warning("sliding_window_caps_context", architecture=arch, sliding_window=window, max_position=max_position)
@@ -178,7 +183,19 @@ class ModelConfig:
 
     @classmethod
     def load(cls, model_dir: Path) -> ModelConfig:
-        return cls.from_dict(json.loads((model_dir / "config.json").read_text()))
+        """From config.json, with generation_config.json's end-of-sequence ids added (Phi-3's chat turns end with
+        one that only it names), as transformers' generate and vLLM stop on them."""
+        config = cls.from_dict(json.loads((model_dir / "config.json").read_text()))
+        generation = model_dir / "generation_config.json"
+        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
+        more = [t for t in (eos if isinstance(eos, list) else [] if eos is None else [eos]) if t not in config.eos_token_ids]
+        return replace(config, eos_token_ids=config.eos_token_ids + tuple(more)) if more else config
+
+    @property
+    def long_rope_from(self) -> int | None:
+        """LongRoPE's pretraining length: a request whose prompt is longer takes the long factors at every position
+        (runtime.models.layers.rope_cos_sin_cache); None without LongRoPE."""
+        return self.rope.original_max_position if self.rope.kind == "longrope" else None
 
 
 DEFAULT_KV_TOKENS = 16384

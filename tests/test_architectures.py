@@ -5,6 +5,8 @@ variants are served as transformers runs them or refused by name."""
 from __future__ import annotations
 
 import json
+import math
+import shutil
 from typing import Any
 
 import pytest
@@ -44,6 +46,29 @@ def test_a_sliding_window_caps_the_context_and_an_unused_one_does_not():
     assert load(MistralConfig, "MistralForCausalLM", sliding_window=64).max_position == 64
     assert load(MistralConfig, "MistralForCausalLM", sliding_window=None).max_position == full
     assert load(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=False).max_position == full
+    qwen2 = raw_config(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64)
+    del qwen2["use_sliding_window"]  # transformers' Qwen2 leaves its window off unless asked
+    assert ModelConfig.from_dict(qwen2).max_position == full
+
+
+def test_generation_config_adds_its_end_of_sequence_ids(tiny_model, tmp_path):
+    """Phi-3's chat turns end with <|end|>, which only generation_config.json names: generation stops there too."""
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model("llama"), folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 2]}))
+    assert ModelConfig.load(folder).eos_token_ids == (2, 7)
+
+
+def test_longrope_config_is_read_as_transformers_reads_it():
+    """Phi-3-mini-128k's older snapshots name LongRoPE "su"; the top-level pretraining length wins over rope_scaling's,
+    and the attention factor follows from the context's stretch over it."""
+    from transformers import Phi3Config
+
+    raw = {**raw_config(Phi3Config, "Phi3ForCausalLM"), "rope_parameters": None, "original_max_position_embeddings": 64}
+    raw["rope_scaling"] = {"type": "su", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8, "original_max_position_embeddings": 32}
+    rope = ModelConfig.from_dict(raw).rope
+    assert (rope.kind, rope.original_max_position, rope.long_factor) == ("longrope", 64, (2.0,) * 8)
+    assert rope.attention_factor == pytest.approx(math.sqrt(1 + math.log(512 / 64) / math.log(64)))
 
 
 def test_partial_rotary_is_refused_by_name():
@@ -68,37 +93,42 @@ def longrope_phi3(tmp_path_factory):
     return build("phi3", tmp_path_factory.mktemp("phi3-longrope"), original_max_position_embeddings=64, rope_parameters=rope)
 
 
-def longrope_reference(model_dir, prompts: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' greedy ids [prompt, NEW_TOKENS] and log-softmax [step, prompt, vocab] by its model's forward
-    over a KV cache, a token a step: each forward ropes its own rows, with the long factors from the pretraining
-    length on. (Its `generate` instead drops the cache where a sequence first passes that length and recomputes
+def longrope_reference(model_dir, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
+    """transformers' greedy ids and log-softmax [step, vocab] by its model's forward over a KV cache, the prompt in
+    one step, then a token a step: each forward ropes its own rows, with the long factors once the sequence passes
+    the pretraining length. (Its `generate` instead drops the cache where a sequence first passes it and recomputes
     it all with the long factors; ringllm, as vLLM and SGLang, keeps the KV it has.)"""
     from transformers import AutoModelForCausalLM, DynamicCache
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids, cache, steps, drawn = torch.tensor(prompts), DynamicCache(), [], []
-    positions = torch.arange(ids.shape[1])[None].expand(len(prompts), -1)
+    ids, cache, steps, drawn = torch.tensor([prompt]), DynamicCache(), [], []
+    positions = torch.arange(len(prompt))[None]
     with torch.no_grad():
         for _ in range(NEW_TOKENS):
-            logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[:, -1].float()
+            logits = model(input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True).logits[0, -1].float()
             steps.append(torch.log_softmax(logits, dim=-1))
-            ids = logits.argmax(-1, keepdim=True)
-            drawn.append(ids)
+            ids = logits.argmax()[None, None]
+            drawn.append(int(ids))
             positions = positions[:, -1:] + 1
-    return torch.cat(drawn, dim=1), torch.stack(steps)
+    return drawn, torch.stack(steps)
 
 
 @pytest.mark.parametrize(("page_size", "mixed_chunk"), [(1, False), (16, True)])
-def test_longrope_switches_to_its_long_factors_where_transformers_does(longrope_phi3, page_size, mixed_chunk):
-    """Prompts of 30 tokens decode 48 more, across the pretraining length (64): the greedy ids of transformers'
-    model stepped over its KV cache, and its log-probabilities within 1e-3, over chunked prefill."""
-    prompts = [[(7 * i + 13 * n) % 500 + 3 for i in range(30)] for n in range(4)]
-    ids, logprobs = longrope_reference(longrope_phi3, prompts)
+def test_longrope_takes_its_long_factors_where_transformers_does(longrope_phi3, page_size, mixed_chunk):
+    """Past a pretraining length of 64: prompts of 30 and 40 tokens decode 48 more across it, and one of 100 tokens
+    (whose first 40 are the second's) takes the long factors throughout. The greedy ids of transformers' model
+    stepped over its KV cache, and its log-probabilities within 1e-3, over chunked prefill, both times: the second
+    from the prefix cache, where the long prompt's KV is kept apart from the others'."""
+    long = [(7 * i) % 500 + 3 for i in range(100)]
+    prompts = [[(7 * i + 13) % 500 + 3 for i in range(30)], long[:40], long]
+    references = [longrope_reference(longrope_phi3, prompt) for prompt in prompts]
     llm = LLM(longrope_phi3, dtype="float32", page_size=page_size, max_prefill_tokens=CHUNK_BUDGET, mixed_chunk=mixed_chunk)
     params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
-    for i, output in enumerate(llm.generate(prompts, params)):
-        theirs = ids[i].tolist()
-        for position, top in enumerate(output.logprobs[: divergence(output.token_ids, theirs) + 1]):
-            for token, logprob in top.items():
-                assert abs(logprob - logprobs[position, i, token].item()) < LOGPROB_TOLERANCE, (i, position, token)
-        greedy_matches(output.token_ids, theirs, logprobs[:, i])
+    for attempt in range(2):
+        outputs = llm.generate(prompts, params)
+        assert attempt == 0 or outputs[2].cached_tokens >= 80, [o.cached_tokens for o in outputs]
+        for i, (output, (theirs, logprobs)) in enumerate(zip(outputs, references)):
+            for position, top in enumerate(output.logprobs[: divergence(output.token_ids, theirs) + 1]):
+                for token, logprob in top.items():
+                    assert abs(logprob - logprobs[position, token].item()) < LOGPROB_TOLERANCE, (attempt, i, position, token)
+            greedy_matches(output.token_ids, theirs, logprobs)

@@ -84,9 +84,10 @@ class FlashInferAttention:
 
     def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int, rotates: bool = True) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
-        None where Triton does not import, or where it would not be the kernel of every row (deterministic).
-        `rotates`: as GraphAttention's."""
-        if self.deterministic:
+        None where Triton does not import, where it would not be the kernel of every row (deterministic), or where
+        the head dim is not a power of two (its tiles span a head: Phi-3-mini's 96). `rotates`: as GraphAttention's."""
+        head_dim = self.pool.head_dim
+        if self.deterministic or head_dim & (head_dim - 1):
             return None
         try:
             from runtime.kernels.triton.decode_attention import decode_attention

@@ -224,6 +224,7 @@ class HostStep:
     seq_slots: np.ndarray  # int64 [B]: the step's sequences, chunks first
     qo_indptr: np.ndarray  # int64 [B + 1]: sequence i's rows are qo_indptr[i]:qo_indptr[i+1]
     positions: np.ndarray  # int64 [tokens]
+    rope_rows: np.ndarray  # int64 [tokens]: each row's row of the rope cache (its position, but for LongRoPE's long prompts)
     kv_rows: np.ndarray  # int64 [tokens, 2]: where each row's K and V go (batch.kv_rows)
     meta: AttentionMeta
     decodes: np.ndarray  # int64: the decodes' slots
@@ -550,6 +551,10 @@ class Engine:
         np.cumsum(q_lens, out=qo_indptr[1:])
         tokens = int(qo_indptr[-1])
         positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
+        rope_rows = positions
+        if (switch := self.model_config.long_rope_from) is not None:  # a long prompt's rows: the long factors' half
+            long = np.array([len(self.slots[slot].prompt_ids) > switch for slot in seq_slots])
+            rope_rows = positions + self.model_config.max_position * np.repeat(long, q_lens)
         ps = self.config.page_size
         row_slots = np.repeat(seq_slots, q_lens)
         kv_dest = kv_rows(self.page_table[row_slots, positions // ps], positions % ps, ps)
@@ -594,6 +599,7 @@ class Engine:
             seq_slots,
             qo_indptr,
             positions,
+            rope_rows,
             kv_dest,
             meta,
             decodes,
@@ -634,16 +640,16 @@ class Engine:
             if waits is not None:
                 waits.all()
             if not plan.chunks:  # every row samples
-                return self.graphs.replay(step.meta, step.positions, step.kv_rows, decodes)
+                return self.graphs.replay(step.meta, step.rope_rows, step.kv_rows, decodes)
             n_chunk = tokens - len(decodes)
             own, drafted = self._chunk_ids(plan, step, n_chunk)
             sources = np.concatenate([len(self.last_tokens) + np.arange(n_chunk), decodes])
             own = np.concatenate([own, np.zeros(len(decodes), dtype=np.int64)])  # a decode row's token is its slot's
-            logits, _ = self.graphs.replay(step.meta, step.positions, step.kv_rows, sources, own, drafted)
+            logits, _ = self.graphs.replay(step.meta, step.rope_rows, step.kv_rows, sources, own, drafted)
             return (logits if sampled == tokens else logits[self._to_device(step.sample_rows)]), None
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
         # alignment and strides at every step, so no step compiles a new variant of it
-        host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.positions, decodes, step.sample_rows]))
+        host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.rope_rows, decodes, step.sample_rows]))
         input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
         n_chunk = tokens - len(decodes)
         if n_chunk:

@@ -237,15 +237,16 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, divisors: tuple[float, ...] =
 
 
 def rope_cos_sin_cache(max_position: int, head_dim: int, rope: RopeConfig) -> Tensor:
-    """[max_position, head_dim] fp32: cos of each half's angles, then sin (sgl-kernel's layout). LongRoPE's short
-    factors hold below the pretraining length and its long ones from there on, each position's own (keys written
-    before a sequence passes that length keep the short ones, as in vLLM and SGLang), all scaled by its attention
-    factor."""
+    """[max_position, head_dim] fp32: cos of each half's angles, then sin (sgl-kernel's layout). LongRoPE's is
+    twice as long, all scaled by its attention factor: row p holds the short factors below the pretraining length
+    and the long ones from there on (a request whose prompt fits that length: the keys it wrote before passing it
+    keep the short ones, as in vLLM and SGLang); row max_position + p the long ones (a request whose prompt is
+    longer, every position: Engine._host_step picks the row)."""
     positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
     if rope.kind != "longrope":
         freqs = positions * rope_inv_freq(head_dim, rope)[None, :]
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
     switch = rope.original_max_position
     short, long = (rope_inv_freq(head_dim, rope, factors)[None, :] for factors in (rope.short_factor, rope.long_factor))
-    freqs = torch.cat((positions[:switch] * short, positions[switch:] * long))
+    freqs = torch.cat((positions[:switch] * short, positions[switch:] * long, positions * long))
     return torch.cat((freqs.cos(), freqs.sin()), dim=-1) * rope.attention_factor

@@ -127,6 +127,8 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
 
         for f in handles:
             for stored in f.keys():
+                if stored in scales:  # read with its weight (read), under the checkpoint's own name
+                    continue
                 if (name := model.checkpoint_name(stored)) is None or name in shared:
                     continue
                 for part, source in _unfused(name, read(stored, f), model.config):
@@ -135,7 +137,7 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
                         target.copy_(shard(part, source))
                         missing.discard(key)
                         loaded.add(key)
-                    elif not part.endswith(IGNORED) and part not in scales:
+                    elif not part.endswith(IGNORED):
                         unknown.append(part)
     if missing:
         raise ValueError(f"weights missing from {model_dir}: {sorted(missing)[:5]}")

@@ -19,6 +19,7 @@ from runtime.scheduler.tiers import TIER_NAMES, Tiers
 from runtime.step import DRAFT_HERE, MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
+LONG_ROPE_SALT = "\x00long-rope"  # what a LongRoPE model's long prompt adds to its cache salt (Scheduler.add)
 # NGRAM found no draft: a lookup needs every token answered, which stalls the device between steps, so the
 # request decodes this many steps with the others in flight before it looks again
 PLAIN_DECODES_AFTER_A_MISS = 4
@@ -65,10 +66,13 @@ class Scheduler:
         max_position: int,
         host_pages: int = 0,
         disk: Path | None = None,
+        long_rope_from: int | None = None,
     ) -> None:
         """`host_pages`: the host tier's size in pages, under --enable-hierarchical-cache, and `disk` the folder of
-        its page files (both as the engine has them: runtime.engine.kv_tiers)."""
+        its page files (both as the engine has them: runtime.engine.kv_tiers). `long_rope_from`: LongRoPE's
+        pretraining length (ModelConfig.long_rope_from), past which a prompt's KV is roped otherwise."""
         self.config = config
+        self.long_rope_from = long_rope_from
         self.page_size = config.page_size
         self.allocator = PageAllocator(num_pages)
         tiers = None
@@ -112,6 +116,8 @@ class Scheduler:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
         if params.max_tokens is None:  # the rest of the context, as vLLM does
             params = replace(params, max_tokens=self.max_position - len(prompt_ids))
+        if self.long_rope_from is not None and len(prompt_ids) > self.long_rope_from:  # LongRoPE's long factors at every
+            params = replace(params, cache_salt=f"{params.cache_salt or ''}{LONG_ROPE_SALT}")  # position: KV of its own
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(rid, list(prompt_ids), params, seed, list(generated), pin=pin)
         self._queue(request, first=False)
