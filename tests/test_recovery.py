@@ -311,11 +311,13 @@ def test_health_says_recovering_once_through_a_replay_under_load_and_live_stays_
     statuses: list[str] = []
 
     async def scenario() -> list[Stream]:
+        # the scheduler found before the load starts: `ringllm status` takes seconds on a busy machine, the load less
+        rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
+        scheduler = next(r["pid"] for r in rows if r["name"] == "scheduler")
         async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
             load = asyncio.create_task(_load(http, _bodies(16, 300, server.model)))
             await asyncio.sleep(0.5)
-            rows = orjson.loads((await asyncio.to_thread(ringllm, "status", "--json", "--port", str(server.port))).stdout)
-            os.kill(next(r["pid"] for r in rows if r["name"] == "scheduler"), signal.SIGSTOP)  # frozen, not dead
+            os.kill(scheduler, signal.SIGSTOP)  # frozen, not dead
             while not load.done():
                 for path in ("/health", "/health/live"):
                     async with http.get(path) as reply:
