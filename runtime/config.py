@@ -136,7 +136,6 @@ class ModelConfig:
             raise ValueError(f"rope type {rope.kind!r} is not supported")
         if float(rope_raw.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
             raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")
-        eos = raw.get("eos_token_id")
         heads = raw["num_attention_heads"]
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         moe = None
@@ -174,7 +173,7 @@ class ModelConfig:
             output_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
             qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             rope=rope,
-            eos_token_ids=tuple(eos if isinstance(eos, list) else [] if eos is None else [eos]),
+            eos_token_ids=eos_ids(raw),
             moe=moe,
             fp8=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
             draft_vocab_size=raw.get("draft_vocab_size"),
@@ -187,15 +186,21 @@ class ModelConfig:
         one that only it names), as transformers' generate and vLLM stop on them."""
         config = cls.from_dict(json.loads((model_dir / "config.json").read_text()))
         generation = model_dir / "generation_config.json"
-        eos = json.loads(generation.read_text()).get("eos_token_id") if generation.exists() else None
-        more = [t for t in (eos if isinstance(eos, list) else [] if eos is None else [eos]) if t not in config.eos_token_ids]
-        return replace(config, eos_token_ids=config.eos_token_ids + tuple(more)) if more else config
+        if not generation.exists():
+            return config
+        return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + eos_ids(json.loads(generation.read_text())))))
 
     @property
     def long_rope_from(self) -> int | None:
         """LongRoPE's pretraining length: a request whose prompt is longer takes the long factors at every position
         (runtime.models.layers.rope_cos_sin_cache); None without LongRoPE."""
         return self.rope.original_max_position if self.rope.kind == "longrope" else None
+
+
+def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:
+    """A config's `eos_token_id`, one id, a list or none, as a tuple."""
+    eos = raw.get("eos_token_id")
+    return tuple(eos if isinstance(eos, list) else [] if eos is None else [eos])
 
 
 DEFAULT_KV_TOKENS = 16384

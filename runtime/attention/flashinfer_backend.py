@@ -115,15 +115,16 @@ class FlashInferAttention:
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
         and a prepare that rewrites their sources waits for them (wait_for_sent)."""
         self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        areas = []  # the staging areas this prepare sends from: each waits for the send recorded here
         if isinstance(self.active, TritonDecode):
             staged = self.active.staging.take()
             self.wait_for_sent(staged)
             copies = [*copies, self.active.plan(meta, staged)]
-            areas = [src.data_ptr() for src, _ in copies]
         else:
-            self._wait(id(self.active))  # flashinfer's plan stages into the wrapper's own pinned buffer
+            areas.append(id(self.active))  # flashinfer's plan stages into the wrapper's own pinned buffer
+            self._wait(areas[0])
             self._plan_flashinfer(meta)
-            areas = [id(self.active), *(src.data_ptr() for src, _ in copies)]
+        areas += [src.data_ptr() for src, _ in copies]
         if copies:
             self._send(copies)
         sent = torch.cuda.Event()

@@ -307,7 +307,6 @@ class Engine:
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.model_config = cfg = model_config or ModelConfig.load(model_dir)
-        self.long_rope_from = cfg.long_rope_from  # read by every step (_host_step)
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         if config.deterministic and (cfg.moe is not None or cfg.fp8 is not None):  # expert GEMMs take rows by routing; FP8 scales span rows
@@ -553,7 +552,7 @@ class Engine:
         tokens = int(qo_indptr[-1])
         positions = np.repeat(starts - qo_indptr[:-1], q_lens) + np.arange(tokens)
         rope_rows = positions
-        if (switch := self.long_rope_from) is not None:  # a long prompt's rows: the long factors' half
+        if (switch := self.model_config.long_rope_from) is not None:  # a long prompt's rows: the long factors' half
             long = np.array([len(self.slots[slot].prompt_ids) > switch for slot in seq_slots])
             rope_rows = positions + self.model_config.max_position * np.repeat(long, q_lens)
         ps = self.config.page_size
