@@ -122,6 +122,11 @@ class ModelConfig:
     qk_norm: bool  # Qwen3: RMSNorm on each head of q and k
     rope: RopeConfig
     eos_token_ids: tuple[int, ...]
+    local_rope: RopeConfig | None = None  # the sliding-window layers' rope, where it differs (Gemma 3's base 10k, not 1M)
+    layer_windows: tuple[int, ...] = ()  # each layer's sliding window (the keys a query sees, itself included), 0: all
+    attention_scale: float | None = None  # the softmax's scale where not head_dim ** -0.5 (Gemma's query_pre_attn_scalar)
+    attention_softcap: float | None = None  # Gemma 2: each score s becomes cap · tanh(s / cap)
+    final_softcap: float | None = None  # ... and each logit
     moe: MoeConfig | None = None
     fp8: Fp8Config | None = None  # the checkpoint's projections are block-quantized FP8
     draft_vocab_size: int | None = None  # an EAGLE-3 head's: its lm_head's rows
@@ -130,12 +135,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         arch = raw["architectures"][0]
-        rope_raw = {**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}
-        rope = RopeConfig.from_dict(rope_raw, raw)
-        if rope.kind not in ("default", "llama3", "longrope"):
-            raise ValueError(f"rope type {rope.kind!r} is not supported")
-        if float(rope_raw.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
-            raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")
+        if arch in MULTIMODAL:  # the text model inside (its config's defaults filled in as transformers fills them)
+            raw = {**MULTIMODAL[arch](raw), "architectures": [arch]}
+        rope, local_rope = _ropes(raw)
         heads = raw["num_attention_heads"]
         experts = raw.get("num_experts") or raw.get("num_local_experts") or 0
         moe = None
@@ -151,12 +153,7 @@ class ModelConfig:
         elif arch == "MixtralForCausalLM":  # every layer sparse, its top-k always renormalised
             moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
         max_position = raw.get("max_position_embeddings", 4096)
-        windowed = raw.get("use_sliding_window", arch not in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM"))
-        if (window := raw.get("sliding_window")) and windowed and window < max_position:
-            # every layer attends to its last `window` tokens (Mistral-7B-v0.1): exact up to there,
-            # so the context stops there until windows are served
-            log.warning("sliding_window_caps_context", architecture=arch, sliding_window=window, max_position=max_position)
-            max_position = window
+        gemma = arch in GEMMA_ARCHITECTURES
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -168,11 +165,16 @@ class ModelConfig:
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position=max_position,
-            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            tie_word_embeddings=raw.get("tie_word_embeddings", gemma),
             attention_bias=arch == "Qwen2ForCausalLM" or raw.get("attention_bias", False),
             output_bias=arch != "Qwen2ForCausalLM" and raw.get("attention_bias", False),
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", *GEMMA3_ARCHITECTURES),
             rope=rope,
+            local_rope=local_rope,
+            layer_windows=_layer_windows(raw, arch, max_position),
+            attention_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            attention_softcap=raw.get("attn_logit_softcapping") if gemma else None,
+            final_softcap=raw.get("final_logit_softcapping") if gemma else None,
             eos_token_ids=eos_ids(raw),
             moe=moe,
             fp8=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
@@ -195,6 +197,61 @@ class ModelConfig:
         """LongRoPE's pretraining length: a request whose prompt is longer takes the long factors at every position
         (runtime.models.layers.rope_cos_sin_cache); None without LongRoPE."""
         return self.rope.original_max_position if self.rope.kind == "longrope" else None
+
+
+GEMMA3_ARCHITECTURES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+GEMMA_ARCHITECTURES = ("Gemma2ForCausalLM", *GEMMA3_ARCHITECTURES)
+QWEN_ARCHITECTURES = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM")
+
+
+def _gemma3_text(raw: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3's 4B, 12B and 27B checkpoints are image-text models: their config nests the text model's, which
+    leaves out what its defaults say (transformers' Gemma3TextConfig fills them in)."""
+    from transformers import Gemma3TextConfig
+
+    return Gemma3TextConfig(**raw.get("text_config", {})).to_dict()
+
+
+MULTIMODAL = {"Gemma3ForConditionalGeneration": _gemma3_text}
+
+
+def _ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
+    """(the rope, the sliding-window layers' own or None): Gemma 3 names one per layer type in rope_parameters,
+    or its older configs rope_theta with rope_scaling for the full layers, and rope_local_base_freq."""
+    params = raw.get("rope_parameters") or {}
+    by_type = "full_attention" in params
+    full = params["full_attention"] if by_type else {**(raw.get("rope_scaling") or {}), **params}
+    rope = _rope(full, raw)
+    if by_type and "sliding_attention" in params:
+        return rope, _rope(params["sliding_attention"], raw)
+    if "rope_local_base_freq" in raw:
+        return rope, RopeConfig(theta=float(raw["rope_local_base_freq"]))
+    return rope, None
+
+
+def _rope(params: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
+    rope = RopeConfig.from_dict(params, raw)
+    if rope.kind not in ("default", "linear", "llama3", "longrope"):
+        raise ValueError(f"rope type {rope.kind!r} is not supported")
+    if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
+        raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")
+    return rope
+
+
+def _layer_windows(raw: dict[str, Any], arch: str, max_position: int) -> tuple[int, ...]:
+    """Each layer's sliding window, as transformers' config classes lay them out: config.json's layer_types, else
+    Gemma 3's pattern (five windowed layers to a full one), Gemma 2's (every other), Qwen's (from
+    max_window_layers on, where use_sliding_window), or every layer (Mistral-7B-v0.1, Phi-3-mini). () where none
+    is shorter than the context."""
+    window, layers = raw.get("sliding_window"), raw["num_hidden_layers"]
+    if not window or window >= max_position or (arch in QWEN_ARCHITECTURES and not raw.get("use_sliding_window", False)):
+        return ()
+    if (types := raw.get("layer_types")) is None:
+        every = {"Gemma2ForCausalLM": 2}.get(arch, raw.get("sliding_window_pattern", 6) if arch in GEMMA3_ARCHITECTURES else 0)
+        first = raw.get("max_window_layers", layers) if arch in QWEN_ARCHITECTURES else 0
+        windowed = [(i + 1) % every != 0 if every else i >= first for i in range(layers)]
+        types = ["sliding_attention" if w else "full_attention" for w in windowed]
+    return tuple(window if kind == "sliding_attention" else 0 for kind in types)
 
 
 def eos_ids(raw: dict[str, Any]) -> tuple[int, ...]:

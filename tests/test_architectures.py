@@ -1,6 +1,6 @@
 """What a checkpoint's config.json makes of the model: an architecture outside the registry is refused with the
-list of those served, a sliding window that every layer uses caps the context where ringllm is exact, and rope
-variants are served as transformers runs them or refused by name."""
+list of those served, sliding windows are laid out per layer as transformers lays them out, and rope variants are
+served as transformers runs them or refused by name."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.tiny_models import SHAPE, build
 
 def raw_config(config_class: Any, architecture: str, **extra: Any) -> dict[str, Any]:
     """A tiny model's config.json as transformers' config class writes it."""
-    return {**config_class(**SHAPE, **extra).to_dict(), "architectures": [architecture]}
+    return {**config_class(**{**SHAPE, **extra}).to_dict(), "architectures": [architecture]}
 
 
 def test_an_unknown_architecture_is_refused_with_the_supported_list(tiny_model, tmp_path):
@@ -34,21 +34,28 @@ def test_an_unknown_architecture_is_refused_with_the_supported_list(tiny_model, 
     assert all(name in str(refused.value) for name in MODELS if name.endswith("ForCausalLM"))
 
 
-def test_a_sliding_window_caps_the_context_and_an_unused_one_does_not():
-    """Mistral-7B-v0.1 attends to its last `sliding_window` tokens in every layer: until
-    windows are served, the context stops at the window. Qwen2's config names a window it does not use."""
-    from transformers import MistralConfig, Qwen2Config
+def test_sliding_windows_are_laid_out_as_transformers_lays_them_out():
+    """Mistral-7B-v0.1 windows every layer; Gemma 3 five layers of each six, Gemma 2 every other one; Qwen2's config
+    names a window it does not use unless asked, and then from max_window_layers on; a window as long as the
+    context is none."""
+    from transformers import Gemma2Config, Gemma3TextConfig, MistralConfig, Qwen2Config
 
-    def load(config_class: Any, architecture: str, **extra: Any) -> ModelConfig:
-        return ModelConfig.from_dict(raw_config(config_class, architecture, **extra))
+    def windows(config_class: Any, architecture: str, **extra: Any) -> tuple[int, ...]:
+        config = ModelConfig.from_dict(raw_config(config_class, architecture, **extra))
+        assert config.max_position == SHAPE["max_position_embeddings"]  # served whole
+        return config.layer_windows
 
-    full = SHAPE["max_position_embeddings"]
-    assert load(MistralConfig, "MistralForCausalLM", sliding_window=64).max_position == 64
-    assert load(MistralConfig, "MistralForCausalLM", sliding_window=None).max_position == full
-    assert load(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=False).max_position == full
+    assert windows(MistralConfig, "MistralForCausalLM", sliding_window=64) == (64, 64)
+    assert windows(MistralConfig, "MistralForCausalLM", sliding_window=None) == ()
+    assert windows(MistralConfig, "MistralForCausalLM", sliding_window=512) == ()
+    assert windows(Gemma3TextConfig, "Gemma3ForCausalLM", sliding_window=64, num_hidden_layers=7) == (64,) * 5 + (0, 64)
+    assert windows(Gemma2Config, "Gemma2ForCausalLM", sliding_window=64, num_hidden_layers=3) == (64, 0, 64)
+    assert windows(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=False) == ()
+    asked = windows(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64, use_sliding_window=True, max_window_layers=1)
+    assert asked == (0, 64)
     qwen2 = raw_config(Qwen2Config, "Qwen2ForCausalLM", sliding_window=64)
-    del qwen2["use_sliding_window"]  # transformers' Qwen2 leaves its window off unless asked
-    assert ModelConfig.from_dict(qwen2).max_position == full
+    del qwen2["use_sliding_window"], qwen2["layer_types"]  # an older config: transformers' Qwen2 leaves its window off
+    assert ModelConfig.from_dict(qwen2).layer_windows == ()
 
 
 def test_generation_config_adds_its_end_of_sequence_ids(tiny_model, tmp_path):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from runtime.attention.backend import AttentionSpec
 from runtime.attention.pool import KVPool
 from runtime.attention.torch_backend import TorchAttention
 from runtime.batch import AttentionMeta, ForwardBatch
@@ -108,7 +109,8 @@ def _decode_step(kv_lens: list[int], page_size: int, pool: KVPool, generator: to
 
 @pytest.mark.parametrize(("heads", "kv_heads", "head_dim"), [(9, 3, 64), (4, 4, 16), (16, 8, 128)])
 @pytest.mark.parametrize("kv_lens", [[1], [17, 1, 600, 64], [33, 5]])
-def test_paged_decode_attention_matches_sdpa_on_gathered_pages(heads, kv_heads, head_dim, kv_lens):
+@pytest.mark.parametrize(("window", "softcap"), [(0, None), (20, None), (0, 5.0)])  # Gemma's windows, Gemma 2's cap
+def test_paged_decode_attention_matches_sdpa_on_gathered_pages(heads, kv_heads, head_dim, kv_lens, window, softcap):
     generator = torch.Generator().manual_seed(sum(kv_lens) + heads)
     page_size = 16
     pool = KVPool(1, 64, page_size, kv_heads, head_dim, torch.float32, torch.device("cpu"))
@@ -121,7 +123,8 @@ def test_paged_decode_attention_matches_sdpa_on_gathered_pages(heads, kv_heads, 
         torch.zeros(len(kv_lens), 2, dtype=torch.int64),
         meta,
     )
-    in_place, gathered = TorchAttention(pool, heads), TorchAttention(pool, heads)
+    spec = AttentionSpec(0.3 / head_dim**0.5, softcap, (window,))
+    in_place, gathered = TorchAttention(pool, heads, spec), TorchAttention(pool, heads, spec)
     gathered.in_place = False
     assert in_place.in_place
     outputs = []

@@ -13,6 +13,7 @@ import torch
 
 from runtime import LLM, SamplingParams
 from runtime.attention import ATTENTION_BACKENDS
+from runtime.attention.backend import AttentionSpec
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch, kv_rows
 from tests.tiny_models import build
@@ -49,6 +50,7 @@ def make_pool(kv_heads: int, fp8: bool, scales: tuple[float, float] = (0.5, 2.0)
     return KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.float8_e4m3fn, torch.device("cuda"), torch.bfloat16, [scales])
 
 
+@pytest.mark.parametrize(("window", "softcap"), [(0, None), (24, None), (0, 30.0)])  # Gemma's windows, Gemma 2's cap
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize("kv_heads", [4, 8])  # decode on tensor cores, and on CUDA cores
 @pytest.mark.parametrize(
@@ -58,7 +60,7 @@ def make_pool(kv_heads: int, fp8: bool, scales: tuple[float, float] = (0.5, 2.0)
         [(1, 50), (1, 300), (1, 1), (1, 17)],  # decode only
     ],
 )
-def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads, fp8):
+def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads, fp8, window, softcap):
     """bf16 queries over bf16 pages, and over FP8 pages with K and V scales (which torch attention
     dequantizes as it gathers them)."""
     generator = torch.Generator().manual_seed(0)
@@ -72,11 +74,11 @@ def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads, fp8):
         pool = make_pool(kv_heads, fp8)
         pool.kv[0].copy_(history)
         pool.write(0, kv, batch)
-        backend = backend_cls(pool, HEADS)
+        backend = backend_cls(pool, HEADS, AttentionSpec(0.8 / HEAD_DIM**0.5, softcap, (window,)))
         backend.prepare(batch.meta)
         outputs[name] = backend.forward(0, q, batch).float()
     error = (outputs["flashinfer"] - outputs["torch"]).norm() / outputs["torch"].norm()
-    print(f"flashinfer vs torch attention, bf16, fp8 pages {fp8}, {kv_heads} kv heads, {shapes}: relative error {error:.2e}")
+    print(f"flashinfer vs torch attention, bf16, fp8 pages {fp8}, {kv_heads} kv heads, window {window}, cap {softcap}: {error:.2e}")
     assert error < 1e-2
 
 

@@ -1,13 +1,14 @@
 """Token-for-token parity with transformers: greedy ids equal `generate(do_sample=False)`, and
-top-5 log-probabilities within 1e-3 of transformers' log-softmax, for every architecture (Qwen3-MoE
-also from the prefix cache), at page sizes 1 and 16, with a chunk budget that splits the longer
-prompts across steps.
+top-5 log-probabilities within 1e-3 of transformers' log-softmax, for every architecture (the MoE and
+sliding-window ones also from the prefix cache), at page sizes 1 and 16, with a chunk budget that
+splits the longer prompts across steps.
 
 The one divergence allowed is a true near-tie: where the ids first differ, transformers' two best
 log-probabilities lie within 1e-4 (vLLM's check_logprobs_close makes the same allowance)."""
 
 from __future__ import annotations
 
+import json
 from functools import cache
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import pytest
 import torch
 
 from runtime import LLM, SamplingParams
-from tests.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES
+from tests.tiny_models import ARCHITECTURES, MOE_ARCHITECTURES, WINDOWED_ARCHITECTURES
 
 NEW_TOKENS = 48
 CHUNK_BUDGET = 24  # smaller than most prompts: multi-chunk prefill, alone or inside mixed steps
@@ -74,7 +75,8 @@ def reference(model_dir: Path, fp8_kv: bool = False) -> list[tuple[list[int], to
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    attention = "sdpa"
+    # SDPA has no soft cap on the scores: transformers runs Gemma 2 eager
+    attention = "eager" if json.loads((model_dir / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
     if fp8_kv:
         AttentionInterface.register("fp8_kv_sdpa", fp8_kv_sdpa)
         AttentionMaskInterface.register("fp8_kv_sdpa", sdpa_mask)  # SDPA's masks, as for "sdpa"
@@ -166,6 +168,16 @@ def test_tiny_model_parity(tiny_model, arch, page_size, mixed_chunk):
 def test_moe_parity_through_the_prefix_cache(tiny_model, arch, page_size, mixed_chunk):
     """Qwen3-MoE: the router's top-k (renormalised or not), dense layers among sparse ones; the second
     pass of the same prompts runs from the prefix cache."""
+    near_ties = compare(tiny_model(arch), page_size, mixed_chunk, passes=2)
+    print(f"{arch} page {page_size}: near-ties {near_ties}")
+
+
+@pytest.mark.parametrize(("page_size", "mixed_chunk"), [(1, False), (16, True)])
+@pytest.mark.parametrize("arch", WINDOWED_ARCHITECTURES)
+def test_sliding_window_parity_through_the_prefix_cache(tiny_model, arch, page_size, mixed_chunk):
+    """Gemma 3 (windows on two layers of three, their own rope, q/k norms, query_pre_attn_scalar), Gemma 2 (every
+    other layer, soft caps on the scores and the logits) and Mistral-7B-v0.1's layout (every layer): windows of 16,
+    shorter than most prompts; the second pass of the same prompts runs from the prefix cache."""
     near_ties = compare(tiny_model(arch), page_size, mixed_chunk, passes=2)
     print(f"{arch} page {page_size}: near-ties {near_ties}")
 

@@ -24,7 +24,17 @@ SHAPE = dict(
 
 
 def _configs():
-    from transformers import LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen3Config, Qwen3MoeConfig
+    from transformers import (
+        Gemma2Config,
+        Gemma3TextConfig,
+        LlamaConfig,
+        MistralConfig,
+        MixtralConfig,
+        Phi3Config,
+        Qwen2Config,
+        Qwen3Config,
+        Qwen3MoeConfig,
+    )
 
     llama3_rope = {
         "rope_type": "llama3",
@@ -37,6 +47,26 @@ def _configs():
         "llama": (LlamaConfig, dict(rope_scaling=llama3_rope, rope_theta=10000.0)),
         "qwen2": (Qwen2Config, dict(tie_word_embeddings=True)),
         "qwen3": (Qwen3Config, dict(head_dim=32)),
+        # windows of 16 (shorter than most prompts) on layers 0 and 2, rope of their own, a linear-scaled global rope,
+        # q/k norms, a softmax scale that is not head_dim's
+        "gemma3": (
+            Gemma3TextConfig,
+            dict(
+                head_dim=16,
+                num_hidden_layers=3,
+                query_pre_attn_scalar=24,
+                sliding_window=16,
+                layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                rope_parameters={
+                    "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                },
+            ),
+        ),
+        # every other layer windowed (16), attention and final soft caps
+        "gemma2": (Gemma2Config, dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, final_logit_softcapping=5.0)),
+        # every layer windowed (Mistral-7B-v0.1)
+        "mistral_window": (MistralConfig, dict(sliding_window=16)),
         "mistral": (MistralConfig, dict(sliding_window=None)),
         # q/k/v and gate/up fused in the checkpoint
         "phi3": (Phi3Config, dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -65,6 +95,7 @@ def _configs():
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
+WINDOWED_ARCHITECTURES = ("gemma3", "gemma2", "mistral_window")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
 
 
@@ -74,6 +105,10 @@ def build(name: str, folder: Path, **overrides) -> Path:
     config_cls, extra = _configs()[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra, **overrides}))
+    with torch.no_grad():  # Gemma's norms start at 0 (they scale by 1 + weight): move them, or a misread goes unseen
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") and not param.any():
+                param.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return folder
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -10,7 +11,26 @@ from torch import Tensor
 
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch
+from runtime.config import ModelConfig
 from runtime.kernels.rope import Rope
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """What a model asks of attention beyond causal softmax(q·kᵀ)·v: the softmax's scale, a cap on the scores
+    (Gemma 2: s becomes softcap · tanh(s / softcap)), and each layer's sliding window (a query sees its last
+    `window` positions, itself included; 0: all of them)."""
+
+    scale: float
+    softcap: float | None = None
+    windows: tuple[int, ...] = ()
+
+    @classmethod
+    def of(cls, cfg: ModelConfig) -> AttentionSpec:
+        return cls(cfg.attention_scale or cfg.head_dim**-0.5, cfg.attention_softcap, cfg.layer_windows)
+
+    def window(self, layer: int) -> int:
+        return self.windows[layer] if self.windows else 0
 
 
 class AttentionBackend(Protocol):

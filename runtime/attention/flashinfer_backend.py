@@ -10,7 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from runtime.attention.backend import GraphWrapper, PinnedRing
+from runtime.attention.backend import AttentionSpec, GraphWrapper, PinnedRing
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.rope import Rope
@@ -21,36 +21,50 @@ def _copy_each(copies: Sequence[tuple[Tensor, Tensor]]) -> None:
         dst.copy_(src, non_blocking=True)
 
 
+class Windows:
+    """flashinfer wrappers of one kind, one per sliding window the model's layers use (0: none): each is planned
+    for the step with its window, and a layer runs its window's."""
+
+    def __init__(self, make: Callable[[], Any], windows: tuple[int, ...]) -> None:
+        self.by_window = {window: make() for window in sorted({0, *windows})}
+
+    def run(self, q: Tensor, kv: Tensor, *args: Any, **kwargs: Any) -> Tensor:  # GraphWrapper's: forward picks the window's
+        raise NotImplementedError("run the wrapper of the layer's window (FlashInferAttention.forward)")
+
+
 class FlashInferAttention:
     """flashinfer's paged prefill (mixed steps) and tensor-core decode (decode-only steps; it ran
     faster than the CUDA-core kernel even at two query heads per KV head). As a GraphAttention it
     also gives CUDA graphs wrappers with fixed buffers, ringllm's split-KV decode among them.
+    Sliding windows, the scale and a soft cap on the scores are the plan's (Windows).
 
     A wrapper's plan stages its work partition in pinned memory and copies it on the stream. With
     a step in flight, the next plan could overwrite that staging area before the copy ran, so a plan
     first waits for the last copy out of the area it writes: flashinfer's wrapper's own, or the next
     buffer of ringllm's kernel's ring (PinnedRing)."""
 
-    def __init__(self, pool: KVPool, num_heads: int, deterministic: bool = False) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, spec: AttentionSpec, deterministic: bool = False) -> None:
         """`deterministic`: every row, prefill or decode, eager or in a graph, through FA3's paged prefill,
         whose plan neither splits a row's KV nor sizes its tiles by the batch (flashinfer's FA2 does both):
         a row's output is then the same whatever shares its step."""
         import flashinfer  # optional: present on CUDA machines only
 
-        self.flashinfer, self.pool, self.num_heads = flashinfer, pool, num_heads
+        self.flashinfer, self.pool, self.num_heads, self.spec = flashinfer, pool, num_heads, spec
         self.backend = "auto"
         if deterministic:
             if not flashinfer.utils.is_sm90a_supported(pool.device) or pool.head_dim not in (64, 128, 256):
                 raise ValueError("deterministic inference needs FA3: a Hopper GPU, CUDA 12.3 or later, head dim 64, 128 or 256")
             self.backend = "fa3"
         self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
-        self.prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
+        self.prefill = self._windows(lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend))
         self.decode = (
-            self.prefill if deterministic else flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True)
+            self.prefill
+            if deterministic
+            else self._windows(lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
         )
         self.deterministic = deterministic
-        # the wrapper the next forward runs: one of flashinfer's (untyped) or a graph's; each has its own plan
-        self.active: Any = self.prefill
+        # the wrappers the next forward runs: flashinfer's, or a graph's (Windows or ringllm's); each has its own plan
+        self.active: Windows | TritonDecode = self.prefill
         try:
             from runtime.kernels.triton.host_copy import send
         except ImportError:  # no Triton: step inputs go by cudaMemcpyAsync
@@ -67,63 +81,78 @@ class FlashInferAttention:
             torch.zeros(batch_size, dtype=torch.int32, device=device),
         )
 
+    def _windows(self, make: Callable[[], Any]) -> Windows:
+        return Windows(make, self.spec.windows)
+
     def decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
-        """A decode wrapper with fixed buffers, for CUDA graphs of `batch_size` sequences."""
+        """Decode wrappers with fixed buffers, for CUDA graphs of `batch_size` sequences."""
         if self.deterministic:
             return self.prefill_graph_wrapper(batch_size, max_pages)
-        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
-        return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=True,
-            paged_kv_indptr_buffer=indptr,
-            paged_kv_indices_buffer=indices,
-            paged_kv_last_page_len_buffer=last_page_len,
-        )
+
+        def make() -> Any:
+            indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
+            return self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=True,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_page_len,
+            )
+
+        return self._windows(make)
 
     def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int, rotates: bool = True) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
-        None where Triton does not import, where it would not be the kernel of every row (deterministic), or where
-        the head dim is not a power of two (its tiles span a head: Phi-3-mini's 96). `rotates`: as GraphAttention's."""
+        None where Triton does not import, where it would not be the kernel of every row (deterministic), where the
+        head dim is not a power of two (its tiles span a head: Phi-3-mini's 96), or where the model has windows or
+        a soft cap (it has neither). `rotates`: as GraphAttention's."""
         head_dim = self.pool.head_dim
-        if self.deterministic or head_dim & (head_dim - 1):
+        if self.deterministic or head_dim & (head_dim - 1) or self.spec.windows or self.spec.softcap:
             return None
         try:
             from runtime.kernels.triton.decode_attention import decode_attention
         except ImportError:
             return None
-        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention, rotates)
+        return TritonDecode(batch_size, max_pages, self.pool.device, decode_attention, self.spec.scale, rotates)
 
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
-        """A prefill wrapper with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Its
-        first plan fixes the most rows it takes, and with them its launch grid."""
-        indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
-        return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            backend=self.backend,
-            qo_indptr_buf=torch.zeros_like(indptr),
-            paged_kv_indptr_buf=indptr,
-            paged_kv_indices_buf=indices,
-            paged_kv_last_page_len_buf=last_page_len,
-        )
+        """Prefill wrappers with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Their
+        first plan fixes the most rows they take, and with them their launch grid."""
+
+        def make() -> Any:
+            indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
+            return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                backend=self.backend,
+                qo_indptr_buf=torch.zeros_like(indptr),
+                paged_kv_indptr_buf=indptr,
+                paged_kv_indices_buf=indices,
+                paged_kv_last_page_len_buf=last_page_len,
+            )
+
+        return self._windows(make)
 
     def prepare(self, meta: AttentionMeta, wrapper: GraphWrapper | None = None, copies: Sequence[tuple[Tensor, Tensor]] = ()) -> None:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
         and a prepare that rewrites their sources waits for them (wait_for_sent)."""
-        self.active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        active = wrapper or (self.decode if meta.decode_only else self.prefill)
+        assert isinstance(active, Windows | TritonDecode)  # this backend's graph wrappers are its own
+        self.active = active
         areas = []  # the staging areas this prepare sends from: each waits for the send recorded here
         if isinstance(self.active, TritonDecode):
             staged = self.active.staging.take()
             self.wait_for_sent(staged)
             copies = [*copies, self.active.plan(meta, staged)]
         else:
-            areas.append(id(self.active))  # flashinfer's plan stages into the wrapper's own pinned buffer
+            areas.append(id(self.active))  # flashinfer's plan stages into each wrapper's own pinned buffer
             self._wait(areas[0])
-            self._plan_flashinfer(meta)
+            for window, inner in self.active.by_window.items():
+                self._plan_flashinfer(inner, meta, window)
         areas += [src.data_ptr() for src, _ in copies]
         if copies:
             self._send(copies)
@@ -138,14 +167,16 @@ class FlashInferAttention:
         if (sent := self._sent.get(area)) is not None:
             sent.synchronize()
 
-    def _plan_flashinfer(self, meta: AttentionMeta) -> None:
-        pool = self.pool
+    def _plan_flashinfer(self, wrapper: Any, meta: AttentionMeta, window: int) -> None:
+        pool, spec = self.pool, self.spec
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
-        if isinstance(self.active, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
-            self.active.plan(
+        # flashinfer's window_left: the keys before the query's own that it sees
+        attention = {"sm_scale": spec.scale, "logits_soft_cap": spec.softcap, "window_left": window - 1 if window else -1}
+        if isinstance(wrapper, self.flashinfer.BatchDecodeWithPagedKVCacheWrapper):
+            wrapper.plan(
                 kv_indptr,
                 indices,
                 last_page_len,
@@ -153,9 +184,10 @@ class FlashInferAttention:
                 q_data_type=pool.compute_dtype,
                 kv_data_type=pool.dtype,
                 seq_lens=torch.from_numpy(meta.kv_lens),
+                **attention,
             )
         else:
-            self.active.plan(
+            wrapper.plan(
                 torch.from_numpy(meta.qo_indptr),
                 kv_indptr,
                 indices,
@@ -164,6 +196,7 @@ class FlashInferAttention:
                 causal=True,
                 q_data_type=pool.compute_dtype,
                 kv_data_type=pool.dtype,
+                **attention,
             )
 
     @property
@@ -181,9 +214,9 @@ class FlashInferAttention:
             scales = (
                 {"kv_scales": (k_scale, v_scale)} if isinstance(self.active, TritonDecode) else {"k_scale": k_scale, "v_scale": v_scale}
             )
-        if rope is not None:
+        if isinstance(self.active, TritonDecode):
             return self.active.run(q, self.pool.kv[layer], out=out, rope=rope, **scales)
-        return self.active.run(q, self.pool.kv[layer], out=out, **scales)
+        return self.active.by_window[self.spec.window(layer)].run(q, self.pool.kv[layer], out=out, **scales)
 
 
 class TritonDecode:
@@ -192,12 +225,14 @@ class TritonDecode:
     buffer its graph reads. `rotates`: the kernel does the rope pass's work too (see
     FlashInferAttention.triton_decode_graph_wrapper)."""
 
-    def __init__(self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor], rotates: bool = True) -> None:
+    def __init__(
+        self, batch_size: int, max_pages: int, device: torch.device, attend: Callable[..., Tensor], scale: float, rotates: bool = True
+    ) -> None:
         self.staging = PinnedRing(2 * batch_size + 1 + max_pages, torch.int32)
         self.buffer = torch.zeros_like(self.staging.buffers[0], device=device)
         b = batch_size
         self.kv_indptr, self.kv_lens, self.kv_indices = self.buffer[: b + 1], self.buffer[b + 1 : 2 * b + 1], self.buffer[2 * b + 1 :]
-        self.attend, self.rotates = attend, rotates
+        self.attend, self.scale, self.rotates = attend, scale, rotates
 
     def plan(self, meta: AttentionMeta, staged: Tensor) -> tuple[Tensor, Tensor]:
         """Stages the plan in `staged` (the ring's, its last copy done); returns the copy (pinned, device) that sends it."""
@@ -208,4 +243,4 @@ class TritonDecode:
         return staged[:used], self.buffer[:used]
 
     def run(self, q: Tensor, kv: Tensor, out: Tensor, rope: Rope | None = None, kv_scales: tuple[float, float] = (1.0, 1.0)) -> Tensor:
-        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, q.shape[-1] ** -0.5, out, rope, kv_scales)
+        return self.attend(q, kv, self.kv_indptr, self.kv_indices, self.kv_lens, self.scale, out, rope, kv_scales)

@@ -1,5 +1,6 @@
 """The reference backend: SDPA per sequence for prefill, one batched SDPA per layer for decode,
-and ringllm's paged decode kernel in place on fp32 CPUs that build it."""
+and ringllm's paged decode kernel in place on fp32 CPUs that build it. Sliding windows are masks; a
+soft cap on the scores (which SDPA lacks) runs SDPA's math written out."""
 
 from __future__ import annotations
 
@@ -8,9 +9,34 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from runtime.attention.backend import AttentionSpec
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.cpu import build as cpu_kernels
+
+
+def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec, causal: bool = False) -> Tensor:
+    """softmax(q·kᵀ · scale)·v over [..., heads, rows, dim] (keys' heads may be fewer: GQA); `mask`: True or 0 where
+    a row sees a key, False or -inf where not."""
+    if spec.softcap is None:
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=True)
+    if keys.shape[-3] != q.shape[-3]:
+        keys, values = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (keys, values))
+    scores = torch.tanh(q @ keys.transpose(-1, -2) * (spec.scale / spec.softcap)) * spec.softcap
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return scores.softmax(-1) @ values
+
+
+def visible(q_len: int, kv_len: int, window: int, device: torch.device) -> Tensor | None:
+    """[q_len, kv_len]: which keys each of a sequence's last q_len rows sees, None where every row sees every key."""
+    if q_len == 1 and not 0 < window < kv_len:
+        return None
+    rows = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
+    keys = torch.arange(kv_len, device=device)[None, :]
+    return (keys <= rows) & (keys > rows - window) if window else keys <= rows
 
 
 class TorchAttention:
@@ -18,14 +44,15 @@ class TorchAttention:
 
     rotates = False
 
-    def __init__(self, pool: KVPool, num_heads: int, deterministic: bool = False) -> None:
+    def __init__(self, pool: KVPool, num_heads: int, spec: AttentionSpec, deterministic: bool = False) -> None:
         """`deterministic`: every row, a prompt's too, attends as a decode row (ringllm's paged decode
         kernel over its own prefix), so a row's output is the same whatever shares its step."""
         self.pool = pool
         self.in_place = pool.device.type == "cpu" and pool.dtype == torch.float32 and cpu_kernels.available()
         if deterministic and not self.in_place:
             raise ValueError("deterministic inference on the torch backend needs a float32 CPU pool and ringllm's CPU kernels")
-        self.deterministic = deterministic
+        self.deterministic, self.spec = deterministic, spec
+        self._masks: dict[tuple[int, int], Tensor | None] = {}  # a prefill step's, by (sequence, window)
 
     def prepare(self, meta: AttentionMeta) -> None:
         device, ps = self.pool.device, self.pool.page_size
@@ -43,11 +70,15 @@ class TorchAttention:
             if self.in_place:
                 self._decode = (pages, torch.from_numpy(row_lens.astype(np.int64)))
                 return
-            # additive, in the pool's dtype: SDPA would convert a boolean mask in every layer
-            hidden = np.arange(width * ps)[None, :] >= row_lens[:, None]
-            mask = torch.from_numpy(hidden).to(device)[:, None, None, :]
-            self._decode = (pages, torch.zeros(mask.shape, dtype=self.pool.compute_dtype, device=device).masked_fill_(mask, float("-inf")))
+            # additive, in the pool's dtype (SDPA would convert a boolean mask in every layer); one per window
+            keys = np.arange(width * ps)[None, :]
+            masks = {}
+            for window in {0, *self.spec.windows}:
+                hidden = torch.from_numpy((keys >= row_lens[:, None]) | (keys < row_lens[:, None] - window if window else False))
+                masks[window] = torch.zeros(hidden.shape, dtype=self.pool.compute_dtype).masked_fill_(hidden, float("-inf"))
+            self._decode = (pages, {window: mask.to(device)[:, None, None, :] for window, mask in masks.items()})
             return
+        self._masks.clear()
         self._pages = [
             torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device) for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])
         ]
@@ -59,27 +90,27 @@ class TorchAttention:
         return keys.view(shape), values.view(shape)
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-        meta, kv_heads = batch.meta, self.pool.num_kv_heads
+        meta, kv_heads, spec, window = batch.meta, self.pool.num_kv_heads, self.spec, self.spec.window(layer)
         if self._decode is not None and self.in_place:
             pages, kv_lens = self._decode
-            return torch.ops.ringllm_cpu.paged_decode_attention(q, self.pool.kv[layer], pages, kv_lens, q.shape[-1] ** -0.5)
+            return torch.ops.ringllm_cpu.paged_decode_attention(
+                q, self.pool.kv[layer], pages, kv_lens, spec.scale, window, spec.softcap or 0.0
+            )
         if self._decode is not None:
-            pages, mask = self._decode
+            pages, masks = self._decode
             keys, values = self._kv(layer, pages)
             # each KV head's query heads as its rows: SDPA then needs no GQA expansion
             grouped = q.view(len(q), kv_heads, -1, q.shape[-1])
-            return F.scaled_dot_product_attention(grouped, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask).reshape(q.shape)
+            return attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec).reshape(q.shape)
         out = torch.empty_like(q)
         for i, pages in enumerate(self._pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
             q_len, kv_len = rows.stop - rows.start, int(meta.kv_lens[i])
             keys, values = (x[:kv_len].transpose(0, 1)[None] for x in self._kv(layer, pages))
-            mask = None
-            if 1 < q_len < kv_len:  # after a cached prefix: query i sits at position kv_len - q_len + i
-                mask = torch.arange(kv_len, device=q.device)[None, :] <= kv_len - q_len + torch.arange(q_len, device=q.device)[:, None]
+            # a whole prompt, no window: SDPA's own causal mask
+            causal = 1 < q_len == kv_len and not 0 < window < kv_len
+            if (i, window) not in self._masks:
+                self._masks[i, window] = None if causal else visible(q_len, kv_len, window, q.device)
             # 4-D, batch of one: torch routes 3-D GQA inputs to its slow unfused math kernel
-            attended = F.scaled_dot_product_attention(
-                q[rows].transpose(0, 1)[None], keys, values, attn_mask=mask, is_causal=1 < q_len == kv_len, enable_gqa=True
-            )
-            out[rows] = attended[0].transpose(0, 1)
+            out[rows] = attend(q[rows].transpose(0, 1)[None], keys, values, self._masks[i, window], spec, causal)[0].transpose(0, 1)
         return out

@@ -23,6 +23,7 @@ import structlog
 import torch
 
 from runtime.attention import ATTENTION_BACKENDS
+from runtime.attention.backend import AttentionSpec
 from runtime.attention.pool import KVPool
 from runtime.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
 from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
@@ -348,7 +349,9 @@ class Engine:
             memory = host_memory(HostTier.bytes_for(host_pages, page_bytes, config.page_size)) if host_memory else None
             self.tiers = HostTier(self.pool, host_pages, memory, disk)
         assert config.attention_backend is not None  # EngineConfig fills in the device's default
-        self.attention = ATTENTION_BACKENDS[config.attention_backend](self.pool, tp.split(cfg.num_heads)[1], config.deterministic)
+        self.attention = ATTENTION_BACKENDS[config.attention_backend](
+            self.pool, tp.split(cfg.num_heads)[1], AttentionSpec.of(cfg), config.deterministic
+        )
         slots = config.max_running_requests
         self.max_pages_per_seq = config.pages_for(cfg.max_position) + 1
         self.page_table = np.zeros((slots, self.max_pages_per_seq), dtype=np.int64)

@@ -269,7 +269,7 @@ def use_one_row_fusion(layers: list[DecoderLayer], device: torch.device, dtype: 
     the summed stream (OneRowFusion.o_proj), every pair fused and the adds in o_proj's and down_proj's
     epilogues, where its layers ran faster than those choices. Returns {pair: the fused kernel and its tile}."""
     gemv_kernel = _gemv_kernels(device, dtype)
-    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) for layer in layers):
+    if gemv_kernel is None or not layers or not all(isinstance(layer.mlp, MLP) and layer.one_row_fusable for layer in layers):
         return {}
     projections = (layers[0].self_attn.qkv_proj, layers[0].self_attn.o_proj, layers[0].mlp.gate_up_proj, layers[0].mlp.down_proj)
     if any(isinstance(p, Fp8Linear) for p in projections):  # FP8 runs kernels of its own

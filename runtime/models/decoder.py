@@ -123,6 +123,8 @@ class VocabParallelEmbedding(nn.Embedding):
 
 
 class DecoderLayer(nn.Module):
+    one_row_fusable = True  # its norm→qkv, norm→gate_up and SiLU→down pairs are what OneRowFusion fuses
+
     def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer, ops, tp)
@@ -158,14 +160,16 @@ class DecoderLayer(nn.Module):
 
 
 class DecoderModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel, layer: type[DecoderLayer] = DecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(cfg, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, ops, tp) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(layer(cfg, i, ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
 
 
 class DecoderForCausalLM(nn.Module):
+    layer_class: type[DecoderLayer] = DecoderLayer
+    embed_scale: float | None = None  # the embeddings' factor (Gemma's sqrt(hidden), in the model's dtype)
     fused_ops: str  # the name of the fused ops it runs with, which build_model sets
     shared_with_target: tuple[str, ...] = ()  # a draft head's parameters that are its target's (not in its checkpoint)
     optional_weights: tuple[str, ...] = ()  # a draft head's parameters its checkpoint may leave out (then zeros)
@@ -175,7 +179,7 @@ class DecoderForCausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
         self.config, self.tp = cfg, tp
-        self.model = DecoderModel(cfg, ops, tp)
+        self.model = DecoderModel(cfg, ops, tp, self.layer_class)
         self.lm_head = nn.Linear(cfg.hidden_size, self.model.embed_tokens.num_embeddings, bias=False)
         self.rope_cache_fp32, self.rope_tables = ops.rope_cache_fp32, ops.rope_tables
 
@@ -184,20 +188,26 @@ class DecoderForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def make_rope_cache(self, device: torch.device, dtype: torch.dtype) -> None:
+        """The rope tables (and the sliding-window layers' own, where they differ), in the kernels' dtype."""
         cfg = self.config
-        cache = rope_cos_sin_cache(cfg.max_position, cfg.head_dim, cfg.rope)
-        self.rope_cache = cache.to(device=device, dtype=torch.float32 if self.rope_cache_fp32 else dtype)
+        caches = [rope_cos_sin_cache(cfg.max_position, cfg.head_dim, rope) for rope in (cfg.rope, cfg.local_rope) if rope is not None]
+        self.rope_caches = [cache.to(device=device, dtype=torch.float32 if self.rope_cache_fp32 else dtype) for cache in caches]
+        self.rope_cache = self.rope_caches[0]
+        # each layer's table: the second for a windowed layer, where there is one
+        self.layer_rope = [int(len(caches) > 1 and bool(cfg.layer_windows) and cfg.layer_windows[i] > 0) for i in range(cfg.num_layers)]
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         h, residual = self.model.embed_tokens(batch.input_ids), None
-        rope = (batch.positions, self.rope_tables(batch.positions, self.rope_cache))
+        if self.embed_scale is not None:
+            h = h * self.embed_scale
+        ropes = [(batch.positions, self.rope_tables(batch.positions, cache)) for cache in self.rope_caches]
         states: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.model.layers):
             if index in self.capture:
                 states[index] = h if residual is None else h + residual
             if batch.before_layer is not None:
                 batch.before_layer(index)
-            h, residual = layer(h, residual, rope, batch, backend)
+            h, residual = layer(h, residual, ropes[self.layer_rope[index]], batch, backend)
             if batch.between_layers is not None and batch.between_layers():
                 raise StepAbandoned
         if self.capture:
@@ -211,6 +221,10 @@ class DecoderForCausalLM(nn.Module):
             name = name.replace(old, new)
         return name
 
+    def checkpoint_tensor(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """A checkpoint tensor as this model holds it (by its parameter's name): as it is."""
+        return tensor
+
     def take_expert_load(self) -> tuple[list[int], torch.Tensor] | None:
         """(the sparse layers, tokens per expert [layers, experts]) since the last call; None when dense."""
         sparse = [(index, layer.mlp) for index, layer in enumerate(self.model.layers) if isinstance(layer.mlp, SparseMoe)]
@@ -220,6 +234,9 @@ class DecoderForCausalLM(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """In the model's dtype: the sampler widens only what it must. Every rank gets all of them."""
-        if self.tp.size == 1:
-            return self.lm_head(hidden)
-        return self.tp.all_gather_columns(self.lm_head(hidden))[:, : self.config.vocab_size]
+        logits = (
+            self.lm_head(hidden) if self.tp.size == 1 else self.tp.all_gather_columns(self.lm_head(hidden))[:, : self.config.vocab_size]
+        )
+        if (cap := self.config.final_softcap) is not None:  # Gemma 2
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -33,6 +33,11 @@ def torch_silu_and_mul(gate_up: Tensor) -> Tensor:
     return F.silu(gate) * up
 
 
+def torch_gelu_tanh_and_mul(gate_up: Tensor) -> Tensor:
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def torch_rope_tables(positions: Tensor, cos_sin: Tensor) -> tuple[Tensor, Tensor]:
     """Full-width cos, and sin with its first half negated, so that rotate_half(x)·sin is roll(x, half)·sin."""
     cos, sin = cos_sin[positions].chunk(2, dim=-1)
@@ -64,6 +69,7 @@ class FusedOps:
     # a sparse block from its router logits, on CUDA: (x, logits, gate_up, down, top_k, renormalise, silu_and_mul,
     # load) -> output, each expert's pairs added to load (runtime.kernels.triton.fused_moe)
     fused_moe: Callable[..., Tensor] | None = None
+    gelu_tanh_and_mul: Callable[[Tensor], Tensor] = torch_gelu_tanh_and_mul  # Gemma's GeGLU
 
 
 def _rows(kernel: Callable) -> Callable[[Tensor, Tensor, float], Tensor]:
@@ -119,6 +125,7 @@ def _sgl_kernel() -> FusedOps:
         fused,
         rope_cache_fp32=fused is not None,
         fused_moe=_triton_fused_moe(),
+        gelu_tanh_and_mul=sgl_kernel.gelu_tanh_and_mul,
     )
 
 
@@ -137,6 +144,7 @@ def _flashinfer() -> FusedOps:
         _triton_rope_kv_write(),
         rope_cache_fp32=True,
         fused_moe=_triton_fused_moe(),
+        gelu_tanh_and_mul=flashinfer.activation.gelu_tanh_and_mul,
     )
 
 
@@ -224,6 +232,8 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, divisors: tuple[float, ...] =
     inv_freq = 1.0 / (rope.theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim))
     if divisors:
         inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32)
+    if rope.kind == "linear":  # positions divided by `factor` (Gemma 3's full layers)
+        inv_freq = inv_freq / rope.factor
     if rope.kind == "llama3":  # stretch low frequencies by `factor`, blend the band in between
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor

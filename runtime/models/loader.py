@@ -134,7 +134,7 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
                 for part, source in _unfused(name, read(stored, f), model.config):
                     if (found := destination(part)) is not None:
                         key, target = found
-                        target.copy_(shard(part, source))
+                        target.copy_(model.checkpoint_tensor(part, shard(part, source)))
                         missing.discard(key)
                         loaded.add(key)
                     elif not part.endswith(IGNORED):

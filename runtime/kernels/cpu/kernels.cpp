@@ -89,19 +89,20 @@ at::Tensor skinny_linear(const at::Tensor &x, const at::Tensor &weight, const st
 }
 
 // Decode attention straight from the paged pool: q [B, H, D]; pool [pages, 2 (K, V), page slots, KV
-// heads, D]; pages [B, width], each sequence's pages in order; kv_lens [B]. Query heads g·G .. g·G+G-1
+// heads, D]; pages [B, width], each sequence's pages in order; kv_lens [B]; window: the last tokens a row
+// sees (0: all); softcap: scores s become softcap·tanh(s/softcap) (0: as they are). Query heads g·G .. g·G+G-1
 // share KV head g (Hugging Face's repeat_kv order). Work is split over (sequence, KV head) pairs, and a
 // thread takes the pairs of one sequence in one sweep over its rows: a slot's heads lie side by side,
 // so the sweep reads whole cache lines once (one pair at a time read each slot's lines three times
 // over with 3 KV heads, and ran no faster than gathering the pages for SDPA). Per sweep: every score,
 // the softmax, then the weighted sum of V.
-void attend(const float *q, const float *kv, const int64_t *pages, int64_t L, int64_t S, int64_t KVH, int64_t G,
-            int64_t D, int64_t g0, int64_t g1, float scale, float *out, std::vector<float> &scores,
+void attend(const float *q, const float *kv, const int64_t *pages, int64_t first, int64_t end, int64_t S, int64_t KVH,
+            int64_t G, int64_t D, int64_t g0, int64_t g1, float scale, float softcap, float *out, std::vector<float> &scores,
             std::vector<const float *> &keys) {
     using Vec = at::vec::Vectorized<float>;
-    const int64_t heads = (g1 - g0) * G, row = KVH * D;
-    keys.resize(L);  // each token's K row (its V row lies S rows further): no division per token and head
-    for (int64_t t = 0; t < L; t++) keys[t] = kv + (pages[t / S] * 2 * S + t % S) * row;
+    const int64_t heads = (g1 - g0) * G, row = KVH * D, L = end - first;
+    keys.resize(L);  // tokens first..end-1's K rows (V rows lie S rows further): no division per token and head
+    for (int64_t t = 0; t < L; t++) keys[t] = kv + (pages[(first + t) / S] * 2 * S + (first + t) % S) * row;
     q += g0 * G * D;
     out += g0 * G * D;
     scores.resize(heads * L);
@@ -121,6 +122,8 @@ void attend(const float *q, const float *kv, const int64_t *pages, int64_t L, in
     }
     for (; t < L; t++)
         for (int64_t h = 0; h < heads; h++) scores[h * L + t] = dot(q + h * D, keys[t] + (g0 + h / G) * D, D) * scale;
+    if (softcap > 0)
+        for (int64_t i = 0; i < heads * L; i++) scores[i] = softcap * std::tanh(scores[i] / softcap);
     std::fill(out, out + heads * D, 0.f);
     for (int64_t h = 0; h < heads; h++) {
         float *s = scores.data() + h * L;
@@ -140,7 +143,7 @@ void attend(const float *q, const float *kv, const int64_t *pages, int64_t L, in
 }
 
 at::Tensor paged_decode_attention(const at::Tensor &q, const at::Tensor &pool, const at::Tensor &pages,
-                                  const at::Tensor &kv_lens, double scale) {
+                                  const at::Tensor &kv_lens, double scale, int64_t window, double softcap) {
     TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
                 "paged_decode_attention takes fp32 q and a contiguous fp32 pool");
     TORCH_CHECK(pages.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "pages and kv_lens are int64");
@@ -159,7 +162,9 @@ at::Tensor paged_decode_attention(const at::Tensor &q, const at::Tensor &pool, c
         std::vector<const float *> keys;
         for (int64_t pair = begin; pair < end;) {
             const int64_t b = pair / KVH, g0 = pair % KVH, g1 = std::min(KVH, g0 + end - pair);
-            attend(qp + b * H * D, kv, page + b * width, lens[b], S, KVH, H / KVH, D, g0, g1, scale, op + b * H * D, scores, keys);
+            const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
+            attend(qp + b * H * D, kv, page + b * width, first, lens[b], S, KVH, H / KVH, D, g0, g1, scale, softcap, op + b * H * D,
+                   scores, keys);
             pair += g1 - g0;
         }
     });
@@ -230,7 +235,7 @@ at::Tensor silu_and_mul(const at::Tensor &gate_up) {
 
 TORCH_LIBRARY(ringllm_cpu, m) {
     m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-    m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor pages, Tensor kv_lens, float scale) -> Tensor");
+    m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor pages, Tensor kv_lens, float scale, int window=0, float softcap=0) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
