@@ -141,6 +141,7 @@ class SchedulerActor(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.engine_config, self.stats_interval = serve.engine, serve.stats_interval
         self.eos, self.max_position, self.long_rope_from = model.eos_token_ids, model.max_position, model.long_rope_from
+        self.sliding_window = model.window
         self.replica = self.options["replica"]
         self.engines = engine_names(serve, self.replica)
         engine = self.control.slots[self.control.index(self.engines[0])]
@@ -170,7 +171,13 @@ class SchedulerActor(Actor):
 
     def on_epoch(self, epoch: int) -> None:
         self.core = Scheduler(
-            self.engine_config, self.num_pages, self.eos, self.max_position, self.host_pages, long_rope_from=self.long_rope_from
+            self.engine_config,
+            self.num_pages,
+            self.eos,
+            self.max_position,
+            self.host_pages,
+            long_rope_from=self.long_rope_from,
+            window=self.sliding_window,
         )
         self.counted_hits = dict.fromkeys(self.core.tier_hits, 0)  # tier hits counted in /metrics, of this core's
         self.announce: dict[int, list[int]] = {}  # a replay's tokens so far, until the request's first tokens go out

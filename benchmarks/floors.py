@@ -35,7 +35,9 @@ class Shape:
     sparse_layers: int
     experts: int
     top_k: int
-    kv_values: int  # K and V values a token keeps, all layers
+    kv_values: int  # K and V values a token keeps in the full-attention layers
+    window_kv_values: int = 0  # ... and in the sliding-window layers, which read the last `window` tokens' alone
+    window: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> Shape:
@@ -44,6 +46,7 @@ class Shape:
         sparse = sum(moe.is_sparse(layer) for layer in range(cfg.num_layers)) if moe else 0
         dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size * (cfg.num_layers - sparse)
         router = cfg.hidden_size * moe.num_experts * sparse if moe else 0
+        windowed = sum(1 for window in cfg.layer_windows if window)
         return cls(
             always=attention * cfg.num_layers + dense_mlp + router,
             head=cfg.vocab_size * cfg.hidden_size,
@@ -51,7 +54,9 @@ class Shape:
             sparse_layers=sparse,
             experts=moe.num_experts if moe else 0,
             top_k=moe.top_k if moe else 0,
-            kv_values=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim,
+            kv_values=2 * (cfg.num_layers - windowed) * cfg.num_kv_heads * cfg.head_dim,
+            window_kv_values=2 * windowed * cfg.num_kv_heads * cfg.head_dim,
+            window=cfg.window,
         )
 
     def active_experts(self, rows: int) -> float:
@@ -62,13 +67,18 @@ class Shape:
         rows = len(contexts)
         weights = self.always + self.head + self.expert * self.sparse_layers * self.active_experts(rows)
         weights -= self.head  # the LM head stays in the model's dtype under FP8 too
-        read = weights * args.weight_bytes + self.head * 2 + sum(contexts) * self.kv_values * args.kv_bytes
+        kv = sum(contexts) * self.kv_values + sum(min(c, self.window) for c in contexts) * self.window_kv_values
+        read = weights * args.weight_bytes + self.head * 2 + kv * args.kv_bytes
         flops = 2 * rows * (self.always + self.head + self.expert * self.sparse_layers * self.top_k)
         return max(read / (args.bandwidth * 1e12), flops / (args.tflops * 1e12))
 
     def prefill_s(self, prompt_lengths: list[int], cfg: ModelConfig, args: argparse.Namespace) -> float:
         per_token = self.always + self.expert * self.sparse_layers * self.top_k
-        attention = sum(2 * p * p * cfg.num_heads * cfg.head_dim * cfg.num_layers for p in prompt_lengths)  # causal QK and PV
+        # causal QK and PV (a sliding-window layer's row sees at most its window)
+        windowed = sum(1 for window in cfg.layer_windows if window)
+        attention = sum(
+            2 * p * (p * (cfg.num_layers - windowed) + min(p, cfg.window) * windowed) * cfg.num_heads * cfg.head_dim for p in prompt_lengths
+        )
         flops = 2 * per_token * sum(prompt_lengths) + 2 * self.head * len(prompt_lengths) + attention
         return flops / (args.tflops * 1e12)
 

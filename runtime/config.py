@@ -193,6 +193,11 @@ class ModelConfig:
         return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + eos_ids(json.loads(generation.read_text())))))
 
     @property
+    def window(self) -> int:
+        """The longest sliding window of its layers (0: none): the window pool holds this much of each request."""
+        return max(self.layer_windows, default=0)
+
+    @property
     def long_rope_from(self) -> int | None:
         """LongRoPE's pretraining length: a request whose prompt is longer takes the long factors at every position
         (runtime.models.layers.rope_cos_sin_cache); None without LongRoPE."""
@@ -391,6 +396,14 @@ class EngineConfig(CliConfig):
     speculative_ngram_max_match_window_size: int = field(
         default=12, metadata=flag("NGRAM: the most last tokens a match takes (the longest match wins)")
     )
+    # SGLang's name: the sliding-window layers' pool (runtime.scheduler.window_pages) against the full layers'
+    swa_full_tokens_ratio: float = field(
+        default=0.8,
+        metadata=flag(
+            "models with sliding windows: the tokens the windowed layers' KV pool holds, as a share of the full layers' "
+            "(each request holds its window there, idle pages serve the prefix cache)"
+        ),
+    )
     schedule_policy: str = field(
         default="fcfs",
         metadata=flag(
@@ -520,6 +533,8 @@ class EngineConfig(CliConfig):
             raise ValueError("speculative_ngram_max_match_window_size must be at least speculative_ngram_min_match_window_size")
         if not self.grammar_compile_timeout > 0:
             raise ValueError(f"grammar_compile_timeout must be more than 0 seconds, not {self.grammar_compile_timeout}")
+        if not 0 < self.swa_full_tokens_ratio <= 1:
+            raise ValueError(f"swa_full_tokens_ratio must be in (0, 1], not {self.swa_full_tokens_ratio}")
         if not 0 < self.mem_fraction <= 1:
             raise ValueError(f"mem_fraction must be in (0, 1], not {self.mem_fraction}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
@@ -543,6 +558,16 @@ class EngineConfig(CliConfig):
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
+
+    def window_prefill_pages(self, window: int) -> int:
+        """The most window pages a prompt's prefill holds at once: its window, and the chunks of the steps in flight."""
+        assert self.max_prefill_tokens is not None and self.steps_in_flight is not None  # the device's defaults
+        return self.pages_for(window + self.steps_in_flight * self.max_prefill_tokens) + 1
+
+    def window_pages_for(self, num_pages: int, window: int) -> int:
+        """The window pool's pages beside a pool of `num_pages` (scheduler and engine both size it so): room for
+        one prefill at least."""
+        return max(int(num_pages * self.swa_full_tokens_ratio), self.window_prefill_pages(window))
 
     def cpu_pool_bytes(self, model: ModelConfig) -> int:
         """At most what a CPU engine's KV pool takes (values of up to 4 bytes; an FP8 pool holds the

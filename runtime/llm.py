@@ -105,7 +105,7 @@ class LLM:
         tiers = self.engine.tiers
         host_pages, disk = (tiers.num_pages, tiers.disk) if tiers else (0, None)
         self.scheduler = Scheduler(
-            self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk, cfg.long_rope_from
+            self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk, cfg.long_rope_from, cfg.window
         )
         self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()

@@ -62,6 +62,8 @@ class StepPlan:
     # the first plan for an engine: one that starts (or took over a dead one's KV pool) runs plans from here on
     resync: bool = False
     moves: list[KVMove] = field(default_factory=list)  # run first, after `freed`, `new_slots` and `pages` are applied
+    # (full page, window page): where a sliding-window layer keeps a full page's tokens (runtime.scheduler.window_pages)
+    window_pages: list[tuple[int, int]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decodes)
@@ -106,12 +108,13 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
     pages = [p for _, ps in plan.pages for p in ps]
     tokens = [t for c in plan.chunks for t in c.token_ids]
     moved = [p for m in plan.moves for p in (*m.device, *m.host, *m.tokens)]
-    return meta, [history, pages, tokens, moved]
+    return meta, [history, pages, tokens, moved, [p for pair in plan.window_pages for p in pair]]
 
 
 def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
-    history, pages, tokens, moved = (a.tolist() for a in arrays)
+    history, pages, tokens, moved, window = (a.tolist() for a in arrays)
     plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
+    plan.window_pages = list(zip(window[::2], window[1::2]))
     at = 0
     for slot, rid, params, seed, prompt_len, output_len, cached in meta["new"]:
         prompt, output = history[at : at + prompt_len], history[at + prompt_len : at + prompt_len + output_len]

@@ -369,7 +369,9 @@ class KeptPool:
         self.engine = self.revive()
         cfg, tiers = self.engine.model_config, self.engine.tiers
         host_pages, disk = (tiers.num_pages, tiers.disk) if tiers else (0, None)
-        self.scheduler = Scheduler(llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk)
+        self.scheduler = Scheduler(
+            llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk, window=cfg.window
+        )
 
     def _bytes(self, size: int) -> torch.Tensor:
         import torch

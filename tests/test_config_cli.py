@@ -49,6 +49,7 @@ ENGINE = {
     "speculative_disable_by_batch_size": 3,
     "speculative_ngram_min_match_window_size": 2,
     "speculative_ngram_max_match_window_size": 5,
+    "swa_full_tokens_ratio": 0.5,
 }
 # deterministic inference runs unquantized on one rank; a standby engine needs one rank, warm spares and a kept pool;
 # KV tiers: one rank, over the prefix cache

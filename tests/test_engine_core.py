@@ -382,7 +382,7 @@ def test_an_abandoned_eager_step_stops_after_a_layer_and_a_reset_engine_runs_on(
     llm.engine.between_layers = lambda: calls.append(1) or False
     llm.engine.reset()
     cfg = llm.engine.model_config
-    llm.scheduler = Scheduler(llm.config, llm.engine.num_pages, cfg.eos_token_ids, cfg.max_position)
+    llm.scheduler = Scheduler(llm.config, llm.engine.num_pages, cfg.eos_token_ids, cfg.max_position, window=cfg.window)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     assert len(calls) > cfg.num_layers
 

@@ -50,8 +50,7 @@ def make_pool(kv_heads: int, fp8: bool, scales: tuple[float, float] = (0.5, 2.0)
     return KVPool(1, POOL_PAGES, PAGE, kv_heads, HEAD_DIM, torch.float8_e4m3fn, torch.device("cuda"), torch.bfloat16, [scales])
 
 
-@pytest.mark.parametrize(("window", "softcap"), [(0, None), (24, None), (0, 30.0)])  # Gemma's windows, Gemma 2's cap
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize(("window", "softcap", "fp8"), [(0, None, False), (0, None, True), (24, None, False), (0, 30.0, False)])
 @pytest.mark.parametrize("kv_heads", [4, 8])  # decode on tensor cores, and on CUDA cores
 @pytest.mark.parametrize(
     "shapes",
@@ -73,7 +72,7 @@ def test_flashinfer_matches_torch_attention_in_bf16(shapes, kv_heads, fp8, windo
     for name, backend_cls in ATTENTION_BACKENDS.items():
         pool = make_pool(kv_heads, fp8)
         pool.kv[0].copy_(history)
-        pool.write(0, kv, batch)
+        pool.write(0, kv, batch.kv_rows)
         backend = backend_cls(pool, HEADS, AttentionSpec(0.8 / HEAD_DIM**0.5, softcap, (window,)))
         backend.prepare(batch.meta)
         outputs[name] = backend.forward(0, q, batch).float()
@@ -115,6 +114,18 @@ def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(
     eager = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0, cuda_graph_max_prefill_tokens=0)
     assert_same_greedy_tokens(reference, eager, "flashinfer")
     assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer"), "flashinfer + CUDA graphs")
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "gemma2"])
+def test_sliding_windows_and_soft_caps_give_the_tokens_of_torch_attention(tmp_path, arch):
+    """Windows of 16 on a window pool of a few pages (pages given back, idle ones taken back), Gemma 2's soft caps:
+    flashinfer eager, and in decode and prefill graphs, against the torch backend."""
+    model_dir = build(arch, tmp_path, head_dim=128)
+    window_pool = dict(swa_full_tokens_ratio=0.02)  # 10 pages: fewer than the sequences' windows together
+    reference = greedy_run(model_dir, attention_backend="torch", **window_pool)
+    eager = greedy_run(model_dir, attention_backend="flashinfer", cuda_graph_max_bs=0, cuda_graph_max_prefill_tokens=0, **window_pool)
+    assert_same_greedy_tokens(reference, eager, f"{arch} flashinfer")
+    assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer", **window_pool), f"{arch} graphs")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")

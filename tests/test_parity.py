@@ -152,7 +152,8 @@ def compare(model_dir: Path, page_size: int, mixed_chunk: bool, passes: int = 1,
                     assert abs(logprob - ref_logprobs[position, token].item()) < tolerance, (position, token)
             near_ties += greedy_matches(output.token_ids, ref_ids, ref_logprobs, near_tie)
     llm.flush_cache()
-    assert llm.scheduler.allocator.num_free == llm.scheduler.allocator.num_pages
+    for allocator in (llm.scheduler.allocator, *([llm.scheduler.windows.allocator] if llm.scheduler.windows else [])):
+        assert allocator.num_free == allocator.num_pages
     return near_ties
 
 

@@ -152,7 +152,7 @@ class FlashInferAttention:
             areas.append(id(self.active))  # flashinfer's plan stages into each wrapper's own pinned buffer
             self._wait(areas[0])
             for window, inner in self.active.by_window.items():
-                self._plan_flashinfer(inner, meta, window)
+                self._plan_flashinfer(inner, meta.window if window and meta.window is not None else meta, window)
         areas += [src.data_ptr() for src, _ in copies]
         if copies:
             self._send(copies)

@@ -4,6 +4,9 @@ soft cap on the scores (which SDPA lacks) runs SDPA's math written out."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -55,33 +58,40 @@ class TorchAttention:
         self._masks: dict[tuple[int, int], Tensor | None] = {}  # a prefill step's, by (sequence, window)
 
     def prepare(self, meta: AttentionMeta) -> None:
-        device, ps = self.pool.device, self.pool.page_size
-        self._decode = None
-        if self.deterministic or meta.decode_only:
-            # each row attends as a decode row: its sequence's pages, padded with its own last page, up to its own
-            # position (row i of a sequence whose step adds q rows to kv tokens sees kv - q + i + 1)
-            q_lens = np.diff(meta.qo_indptr)
-            seq = np.repeat(np.arange(len(q_lens)), q_lens)
-            row_lens = (meta.kv_lens - q_lens - meta.qo_indptr[:-1])[seq] + np.arange(len(seq)) + 1
-            counts = np.diff(meta.kv_indptr)[seq]
-            width = int(counts.max())
-            at = meta.kv_indptr[seq, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
-            pages = torch.from_numpy(meta.kv_indices[at].astype(np.int64)).to(device)
-            if self.in_place:
-                self._decode = (pages, torch.from_numpy(row_lens.astype(np.int64)))
-                return
-            # additive, in the pool's dtype (SDPA would convert a boolean mask in every layer); one per window
-            keys = np.arange(width * ps)[None, :]
-            masks = {}
-            for window in {0, *self.spec.windows}:
-                hidden = torch.from_numpy((keys >= row_lens[:, None]) | (keys < row_lens[:, None] - window if window else False))
-                masks[window] = torch.zeros(hidden.shape, dtype=self.pool.compute_dtype).masked_fill_(hidden, float("-inf"))
-            self._decode = (pages, {window: mask.to(device)[:, None, None, :] for window, mask in masks.items()})
-            return
+        """Plans the step over the pool, and over the window pool where the step has a plan there (meta.window;
+        else the windowed layers mask the pool's pages)."""
         self._masks.clear()
-        self._pages = [
-            torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device) for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])
-        ]
+        windows = tuple({w for w in self.spec.windows if w})
+        if meta.window is None:
+            self._plans = dict.fromkeys((False, True), self._plan(meta, (0, *windows)))
+        else:
+            self._plans = {False: self._plan(meta, (0,)), True: self._plan(meta.window, windows)}
+
+    def _plan(self, meta: AttentionMeta, windows: tuple[int, ...]) -> _Plan:
+        device, ps = self.pool.device, self.pool.page_size
+        if not (self.deterministic or meta.decode_only):
+            pages = [
+                torch.from_numpy(meta.kv_indices[a:b].astype(np.int64)).to(device) for a, b in zip(meta.kv_indptr[:-1], meta.kv_indptr[1:])
+            ]
+            return _Plan(meta, None, pages)
+        # each row attends as a decode row: its sequence's pages, padded with its own last page, up to its own
+        # position (row i of a sequence whose step adds q rows to kv tokens sees kv - q + i + 1)
+        q_lens = np.diff(meta.qo_indptr)
+        seq = np.repeat(np.arange(len(q_lens)), q_lens)
+        row_lens = (meta.kv_lens - q_lens - meta.qo_indptr[:-1])[seq] + np.arange(len(seq)) + 1
+        counts = np.diff(meta.kv_indptr)[seq]
+        width = int(counts.max())
+        at = meta.kv_indptr[seq, None] + np.minimum(np.arange(width)[None, :], counts[:, None] - 1)
+        pages = torch.from_numpy(meta.kv_indices[at].astype(np.int64)).to(device)
+        if self.in_place:
+            return _Plan(meta, (pages, torch.from_numpy(row_lens.astype(np.int64))), [])
+        # additive, in the pool's dtype (SDPA would convert a boolean mask in every layer); one per window
+        keys, masks = np.arange(width * ps)[None, :], {}
+        for window in windows:
+            hidden = torch.from_numpy((keys >= row_lens[:, None]) | (keys < row_lens[:, None] - window if window else False))
+            mask = torch.zeros(hidden.shape, dtype=self.pool.compute_dtype).masked_fill_(hidden, float("-inf"))
+            masks[window] = mask.to(device)[:, None, None, :]
+        return _Plan(meta, (pages, masks), [])
 
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
@@ -90,20 +100,21 @@ class TorchAttention:
         return keys.view(shape), values.view(shape)
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
-        meta, kv_heads, spec, window = batch.meta, self.pool.num_kv_heads, self.spec, self.spec.window(layer)
-        if self._decode is not None and self.in_place:
-            pages, kv_lens = self._decode
+        kv_heads, spec, window = self.pool.num_kv_heads, self.spec, self.spec.window(layer)
+        plan = self._plans[window > 0]
+        if plan.decode is not None and self.in_place:
+            pages, kv_lens = plan.decode
             return torch.ops.ringllm_cpu.paged_decode_attention(
                 q, self.pool.kv[layer], pages, kv_lens, spec.scale, window, spec.softcap or 0.0
             )
-        if self._decode is not None:
-            pages, masks = self._decode
+        if plan.decode is not None:
+            pages, masks = plan.decode
             keys, values = self._kv(layer, pages)
             # each KV head's query heads as its rows: SDPA then needs no GQA expansion
             grouped = q.view(len(q), kv_heads, -1, q.shape[-1])
             return attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec).reshape(q.shape)
-        out = torch.empty_like(q)
-        for i, pages in enumerate(self._pages):
+        out, meta = torch.empty_like(q), plan.meta
+        for i, pages in enumerate(plan.pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
             q_len, kv_len = rows.stop - rows.start, int(meta.kv_lens[i])
             keys, values = (x[:kv_len].transpose(0, 1)[None] for x in self._kv(layer, pages))
@@ -114,3 +125,13 @@ class TorchAttention:
             # 4-D, batch of one: torch routes 3-D GQA inputs to its slow unfused math kernel
             out[rows] = attend(q[rows].transpose(0, 1)[None], keys, values, self._masks[i, window], spec, causal)[0].transpose(0, 1)
         return out
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A step's plan over one pool: `decode` where every row attends as a decode row ((pages [rows, width], lengths)
+    for ringllm's kernel, else (pages, an additive mask per window)), else each sequence's `pages`."""
+
+    meta: AttentionMeta
+    decode: tuple[Tensor, Any] | None
+    pages: list[Tensor]

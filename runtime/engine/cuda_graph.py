@@ -2,14 +2,15 @@
 steps (layers only) up to a token count.
 
 A step pads to a captured shape. Padding rows form sequences of their own that attend to, and write
-into, a scratch page past the scheduler's pool, so they never touch a live sequence. Inputs live in
-static buffers that each replay fills.
+into, a scratch page past the scheduler's pool (and the window pool's), so they never touch a live
+sequence. Inputs live in static buffers that each replay fills.
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
@@ -118,22 +119,53 @@ def pad_meta(meta: AttentionMeta, tokens: int, seqs: int, scratch_page: int, pag
     )
 
 
+@dataclass(frozen=True)
+class Scratch:
+    """Where padding rows attend and write: the page past the scheduler's pool, and with sliding windows the page
+    past the window pool."""
+
+    page: int
+    window_page: int | None
+    page_size: int
+
+    @property
+    def rows(self) -> np.ndarray:
+        """A padding row's K and V rows, [2] (or [4]: the window pool's after), as ForwardBatch.kv_rows lays them."""
+        pages = [self.page] if self.window_page is None else [self.page, self.window_page]
+        return np.concatenate([kv_rows(np.array([page]), np.array([0]), self.page_size)[0] for page in pages])
+
+    def pad(self, meta: AttentionMeta, tokens: int, seqs: int) -> AttentionMeta:
+        """pad_meta on the scratch pages, its window plan too."""
+        padded = pad_meta(meta, tokens, seqs, self.page, self.page_size)
+        if self.window_page is not None:
+            padded.window = pad_meta(meta.window or no_sequences(), tokens, seqs, self.window_page, self.page_size)
+        return padded
+
+
 def context_meta(seqs: int, context: int, pool: KVPool) -> AttentionMeta:
-    """`seqs` sequences of `context` tokens on the pool's first pages, for timing graphs: they read
-    those pages (as they are) and write nothing there."""
+    """`seqs` sequences of `context` tokens on the pool's first pages (and the window pool's), for timing graphs:
+    they read those pages (as they are) and write nothing there."""
     pages = -(-context // pool.page_size)
-    indices = np.arange(seqs * pages) % (len(pool.kv[0]) - 1)
-    return AttentionMeta(
-        np.arange(seqs + 1, dtype=np.int32),
-        (np.arange(seqs + 1) * pages).astype(np.int32),
-        indices.astype(np.int32),
-        np.full(seqs, context, np.int32),
-    )
+
+    def on(pool_pages: int) -> AttentionMeta:
+        indices = np.arange(seqs * pages) % (pool_pages - 1)
+        return AttentionMeta(
+            np.arange(seqs + 1, dtype=np.int32),
+            (np.arange(seqs + 1) * pages).astype(np.int32),
+            indices.astype(np.int32),
+            np.full(seqs, context, np.int32),
+        )
+
+    meta = on(max(pool.layer_pages))
+    if len(set(pool.layer_pages)) > 1:
+        meta.window = on(min(pool.layer_pages))
+    return meta
 
 
 def no_sequences() -> AttentionMeta:
     """What graphs are captured on, padded to their shape."""
-    return AttentionMeta(*(np.zeros(n, np.int32) for n in (1, 1, 0, 0)))
+    empty = np.zeros(0, np.int32)
+    return AttentionMeta(np.zeros(1, np.int32), np.zeros(1, np.int32), empty, empty)
 
 
 def capture_sizes(max_batch_size: int) -> list[int]:
@@ -165,25 +197,25 @@ class DecodeGraphs:
         attention: GraphAttention,
         max_batch_size: int,
         max_pages_per_seq: int,
-        scratch_page: int,
+        scratch: Scratch,
         token_sources: torch.Tensor,
         slots: int,
     ) -> None:
         """`token_sources`: [slots + max_batch_size], the engine's last sampled tokens of its `slots` slots first."""
         self.sizes = capture_sizes(max_batch_size)
-        self.attention, self.scratch_page = attention, scratch_page
+        self.attention, self.scratch = attention, scratch
         self.page_size = attention.pool.page_size
         device = token_sources.device
         self.input_ids = torch.zeros(max_batch_size, dtype=torch.int64, device=device)
-        self.scratch_rows = kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)[0]  # where padding rows write
-        # positions, K rows, V rows, token sources, tokens (a chunk row's)
-        self.staging = PinnedRing(5 * max_batch_size, torch.int64)
-        self.rows = torch.zeros(5, max_batch_size, dtype=torch.int64, device=device)
-        self.rows[1:3] = torch.from_numpy(self.scratch_rows).to(device)[:, None]
+        # positions, K and V rows (2, or 4 with the window pool's), token sources, tokens (a chunk row's)
+        k = self.kv_width = len(scratch.rows)
+        self.staging = PinnedRing((3 + k) * max_batch_size, torch.int64)
+        self.rows = torch.zeros(3 + k, max_batch_size, dtype=torch.int64, device=device)
+        self.rows[1 : 1 + k] = torch.from_numpy(scratch.rows).to(device)[:, None]
 
         def forward(bs: int, batch: ForwardBatch) -> torch.Tensor:
-            token_sources[slots : slots + bs].copy_(self.rows[4, :bs])
-            torch.index_select(token_sources, 0, self.rows[3, :bs], out=self.input_ids[:bs])
+            token_sources[slots : slots + bs].copy_(self.rows[2 + k, :bs])
+            torch.index_select(token_sources, 0, self.rows[1 + k, :bs], out=self.input_ids[:bs])
             return model.logits(model(batch, attention))
 
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
@@ -197,9 +229,7 @@ class DecodeGraphs:
             wrappers = {"flashinfer": attention.decode_graph_wrapper(bs, pages)}
             if bs <= TRITON_DECODE_MAX_BS and (triton := attention.triton_decode_graph_wrapper(bs, pages)) is not None:
                 wrappers["triton"] = triton
-            batch = ForwardBatch(
-                self.input_ids[:bs], self.rows[0, :bs], self.rows[1:, :bs].T, pad_meta(no_sequences(), bs, bs, scratch_page, self.page_size)
-            )
+            batch = ForwardBatch(self.input_ids[:bs], self.rows[0, :bs], self.rows[1 : 1 + k, :bs].T, scratch.pad(no_sequences(), bs, bs))
             captured = {}
             for name, wrapper in wrappers.items():
                 attention.prepare(batch.meta, wrapper)
@@ -242,23 +272,24 @@ class DecodeGraphs:
         replace those rows' tokens (a draft model's, not read back)."""
         n = len(positions)
         bs = self.replay_size[self.sizes[bisect.bisect_left(self.sizes, n)]]
-        pinned = self.staging.take().view(5, -1)
+        k = self.kv_width
+        pinned = self.staging.take().view(3 + k, -1)
         self.attention.wait_for_sent(pinned)  # its last copy may wait behind steps still in the stream
         staged = pinned.numpy()
         staged[:, n:bs] = 0
-        staged[1:3, n:bs] = self.scratch_rows[:, None]  # padding rows write to the scratch page
-        staged[0, :n], staged[1:3, :n], staged[3, :n] = positions, rows_kv.T, sources
-        staged[4, :n] = 0 if tokens is None else tokens
+        staged[1 : 1 + k, n:bs] = self.scratch.rows[:, None]  # padding rows write to the scratch page
+        staged[0, :n], staged[1 : 1 + k, :n], staged[1 + k, :n] = positions, rows_kv.T, sources
+        staged[2 + k, :n] = 0 if tokens is None else tokens
         if bs > n:
-            meta = pad_meta(meta, bs, bs, self.scratch_page, self.page_size)
+            meta = self.scratch.pad(meta, bs, bs)
         graph, logits, wrapper = self.graphs[bs], self.logits[bs], self.wrappers[bs]
         if tokens is not None and bs in self.in_order:
             graph, logits, wrapper = self.in_order[bs]
         self.attention.prepare(meta, wrapper, copies=[(pinned, self.rows)])  # with the plan's, one kernel
         if drafted is not None:
-            self.rows[4].index_put_(drafted[:1], drafted[1])
+            self.rows[2 + k].index_put_(drafted[:1], drafted[1])
         graph.replay()
-        return logits[:n], self.rows[3, :n]
+        return logits[:n], self.rows[1 + k, :n]
 
 
 PREFILL_GRAPH_TOKENS = (128, 256, 512, 1024, 1536, 2048, 3072)
@@ -279,28 +310,25 @@ class PrefillGraphs:
         attention: GraphAttention,
         max_tokens: int,
         max_pages_per_seq: int,
-        scratch_page: int,
+        scratch: Scratch,
         device: torch.device,
         pool: Pool | None = None,
     ) -> None:
         shapes = [(t, s) for t in PREFILL_GRAPH_TOKENS if t <= max_tokens for s in PREFILL_GRAPH_SEQS]
-        self.attention, self.scratch_page = attention, scratch_page
+        self.attention, self.scratch = attention, scratch
         self.page_size = attention.pool.page_size
         most = max((t for t, _ in shapes), default=0)
         self.input_ids = torch.zeros(most, dtype=torch.int64, device=device)
         self.positions = torch.zeros(most, dtype=torch.int64, device=device)
-        self.scratch_rows = torch.from_numpy(kv_rows(np.array([scratch_page]), np.array([0]), self.page_size)).to(device)
-        self.rows = self.scratch_rows.repeat(most, 1)  # [T, 2], the layout of eager steps (one Triton variant)
+        self.scratch_rows = torch.from_numpy(scratch.rows).to(device)
+        self.rows = self.scratch_rows.repeat(most, 1)  # [T, 2] (or 4), the layout of eager steps (one Triton variant)
         self.graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.wrappers: dict[tuple[int, int], GraphWrapper] = {}
         self.hidden: dict[tuple[int, int], torch.Tensor] = {}
         for tokens, seqs in sorted(shapes, reverse=True):  # largest first: the rest reuse its memory
             wrapper = attention.prefill_graph_wrapper(seqs, seqs * max_pages_per_seq + tokens // self.page_size + 1)
             batch = ForwardBatch(
-                self.input_ids[:tokens],
-                self.positions[:tokens],
-                self.rows[:tokens],
-                pad_meta(no_sequences(), tokens, seqs, scratch_page, self.page_size),
+                self.input_ids[:tokens], self.positions[:tokens], self.rows[:tokens], scratch.pad(no_sequences(), tokens, seqs)
             )
             try:
                 attention.prepare(batch.meta, wrapper)
@@ -324,7 +352,7 @@ class PrefillGraphs:
         self.input_ids[:n].copy_(batch.input_ids)
         self.positions[:n].copy_(batch.positions)
         self.rows[:n].copy_(batch.kv_rows)
-        self.rows[n:tokens].copy_(self.scratch_rows.expand(tokens - n, 2))  # a larger step's rows may linger there
-        self.attention.prepare(pad_meta(batch.meta, tokens, seqs, self.scratch_page, self.page_size), self.wrappers[shape])
+        self.rows[n:tokens].copy_(self.scratch_rows.expand(tokens - n, -1))  # a larger step's rows may linger there
+        self.attention.prepare(self.scratch.pad(batch.meta, tokens, seqs), self.wrappers[shape])
         self.graphs[shape].replay()
         return self.hidden[shape][:n]

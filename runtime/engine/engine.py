@@ -25,10 +25,10 @@ import torch
 from runtime.attention import ATTENTION_BACKENDS
 from runtime.attention.backend import AttentionSpec
 from runtime.attention.pool import KVPool
-from runtime.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows
-from runtime.config import DEFAULT_KV_TOKENS, EngineConfig, ModelConfig
+from runtime.batch import AttentionMeta, ForwardBatch, StepAbandoned, kv_rows, paged_meta
+from runtime.config import DEFAULT_KV_TOKENS, MODEL_DRAFTS, EngineConfig, ModelConfig
 from runtime.distributed import SINGLE, TensorParallel
-from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, capture_sizes
+from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, Scratch, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
 from runtime.engine.kv_tiers import HostTier, LayerWaits, TorchCopier, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
@@ -312,6 +312,8 @@ class Engine:
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         if config.deterministic and (cfg.moe is not None or cfg.fp8 is not None):  # expert GEMMs take rows by routing; FP8 scales span rows
             raise ValueError("deterministic inference serves dense, unquantized checkpoints")
+        if cfg.window and (config.hierarchical_cache or config.speculative_algorithm in MODEL_DRAFTS):
+            raise ValueError("models with sliding windows run without --enable-hierarchical-cache and without draft models (NGRAM drafts)")
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
         # deterministic inference: projections, then the sampler's row-wise reductions, on blocks of this many rows
         self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
@@ -327,6 +329,16 @@ class Engine:
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
         scales = kv_scales(model_dir, cfg.num_layers) if config.fp8_kv and not config.dummy_weights else None
         page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        # a sliding-window layer's pages are the window pool's (runtime.scheduler.window_pages), each with its scratch page;
+        # window_of: the window page the scheduler paired with each page (-1: none)
+        self.window_of: np.ndarray | None = None
+        layer_pages = [self.num_pages + 1] * cfg.num_layers
+        if cfg.window:
+            window_pages = config.window_pages_for(self.num_pages, cfg.window)
+            layer_pages = [window_pages + 1 if window else self.num_pages + 1 for window in cfg.layer_windows]
+            self.window_of = np.full(self.num_pages + 1, -1, dtype=np.int64)
+            self.window_of[self.scratch_page] = window_pages
+        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
         self.pool = KVPool(
             cfg.num_layers,
             self.num_pages + 1,
@@ -337,7 +349,8 @@ class Engine:
             self.device,
             self.dtype,
             scales,
-            kv_memory((self.num_pages + 1) * page_bytes) if kv_memory else None,
+            kv_memory(sum(layer_pages) * layer_bytes) if kv_memory else None,
+            layer_pages,
         )
         self.tiers: HostTier | None = None
         if host_pages := config.host_tier_pages(self.num_pages, page_bytes):
@@ -398,7 +411,7 @@ class Engine:
         self.prefill_graphs: PrefillGraphs | None = None
         if max_bs:
             self.graphs = DecodeGraphs(
-                self.model, self.attention, max_bs, self.max_pages_per_seq, self.scratch_page, self.token_sources, len(self.last_tokens)
+                self.model, self.attention, max_bs, self.max_pages_per_seq, self._scratch(), self.token_sources, len(self.last_tokens)
             )
         if prefill_tokens:
             self.prefill_graphs = PrefillGraphs(
@@ -406,10 +419,14 @@ class Engine:
                 self.attention,
                 prefill_tokens,
                 self.max_pages_per_seq,
-                self.scratch_page,
+                self._scratch(),
                 self.device,
                 self.graphs.pool if self.graphs else None,
             )
+
+    def _scratch(self) -> Scratch:
+        window_page = int(self.window_of[self.scratch_page]) if self.window_of is not None else None
+        return Scratch(self.scratch_page, window_page, self.config.page_size)
 
     def _log_ready(self, startup_s: dict[str, float]) -> None:
         """engine_ready: each start-up phase's seconds and what start-up chose (kernels, graphs, pages)."""
@@ -447,6 +464,10 @@ class Engine:
             np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32), np.array([n], np.int32)
         )
         rows = kv_rows(np.full(n, self.scratch_page), positions, self.config.page_size)
+        if self.window_of is not None:  # the window pool's scratch page too
+            window_page = self.window_of[self.scratch_page]
+            rows = np.concatenate([rows, kv_rows(np.full(n, window_page), positions, self.config.page_size)], axis=1)
+            meta.window = AttentionMeta(meta.qo_indptr, meta.kv_indptr, np.array([window_page], np.int32), meta.kv_lens)
         batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions), self._to_device(rows), meta)
         self.attention.prepare(meta)
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
@@ -466,7 +487,10 @@ class Engine:
         budget = total * config.mem_fraction - (total - free)
         if config.standby_engine:  # what this process holds now (the weights) again, and room for the standby's graphs
             budget -= torch.cuda.memory_allocated(self.device) + STANDBY_HEADROOM_BYTES
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        # a page's bytes in every full layer, and in each sliding-window layer the window pool's share of a page
+        windowed = sum(1 for window in cfg.layer_windows if window)
+        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        page_bytes = int(layer_bytes * (cfg.num_layers - windowed + windowed * config.swa_full_tokens_ratio))
         draft_weights, draft_page = self.draft_cost()  # a draft model's engine takes its share of the same budget
         budget -= draft_weights
         page_bytes += draft_page
@@ -505,6 +529,10 @@ class Engine:
             state = self.slots[slot]
             self.page_table[slot, state.num_pages : state.num_pages + len(pages)] = pages
             state.num_pages += len(pages)
+        if plan.window_pages:
+            assert self.window_of is not None  # a scheduler pairs window pages for a model with windows only
+            full, window = np.array(plan.window_pages, dtype=np.int64).T
+            self.window_of[full] = window
 
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> PendingStep:
@@ -560,7 +588,10 @@ class Engine:
             rope_rows = positions + self.model_config.max_position * np.repeat(long, q_lens)
         ps = self.config.page_size
         row_slots = np.repeat(seq_slots, q_lens)
-        kv_dest = kv_rows(self.page_table[row_slots, positions // ps], positions % ps, ps)
+        row_pages = self.page_table[row_slots, positions // ps]
+        kv_dest = kv_rows(row_pages, positions % ps, ps)
+        if self.window_of is not None:  # the window pool's rows beside the pool's: [tokens, 4]
+            kv_dest = np.concatenate([kv_dest, kv_rows(self.window_of[row_pages], positions % ps, ps)], axis=1)
         row_seqs = self._rows_as_sequences(plan, tokens)
         if row_seqs:  # row i attends to its sequence's positions up to its own
             meta = self._meta(row_slots, positions + 1, np.arange(tokens + 1))
@@ -625,13 +656,19 @@ class Engine:
         return all(len(c.token_ids) <= ROW_SEQUENCE_CHUNK and self.slots[c.slot].params.prompt_logprobs is None for c in plan.chunks)
 
     def _meta(self, seq_slots: np.ndarray, kv_lens: np.ndarray, qo_indptr: np.ndarray) -> AttentionMeta:
-        """The attention plan of sequences on these slots' pages, attending to their first kv_lens positions."""
-        seq_pages = -(-kv_lens // self.config.page_size)
-        kv_indptr = np.zeros(len(kv_lens) + 1, dtype=np.int64)
-        np.cumsum(seq_pages, out=kv_indptr[1:])
-        table = self.page_table[seq_slots, : int(seq_pages.max())]
-        kv_indices = table[np.arange(table.shape[1])[None, :] < seq_pages[:, None]]
-        return AttentionMeta(qo_indptr.astype(np.int32), kv_indptr.astype(np.int32), kv_indices.astype(np.int32), kv_lens.astype(np.int32))
+        """The attention plan of sequences on these slots' pages, attending to their first kv_lens positions; with
+        windows, the sliding-window layers' too, over the window pool from the first page any of its rows sees."""
+        ps = self.config.page_size
+        seq_pages = -(-kv_lens // ps)
+        meta = paged_meta(self.page_table[seq_slots, : int(seq_pages.max())], kv_lens, qo_indptr, ps)
+        if self.window_of is not None:
+            first = np.maximum(0, kv_lens - np.diff(qo_indptr) - self.model_config.window + 1) // ps
+            width = int((seq_pages - first).max())
+            at = np.minimum(first[:, None] + np.arange(width)[None, :], self.max_pages_per_seq - 1)
+            table = self.window_of[self.page_table[seq_slots[:, None], at]]
+            meta.window = paged_meta(table, kv_lens - first * ps, qo_indptr, ps)
+            assert (meta.window.kv_indices >= 0).all(), "a window page the scheduler let go is read"
+        return meta
 
     def _forward(self, plan: StepPlan, step: HostStep, waits: LayerWaits | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """Queues the forward: a decode graph (steps of decodes and short chunks it fits), a prefill graph, or
@@ -653,6 +690,7 @@ class Engine:
         # KV rows first, [T, 2] at the buffer's start: the Triton rope and KV write then sees the same
         # alignment and strides at every step, so no step compiles a new variant of it
         host = self._to_device(np.concatenate([step.kv_rows.ravel(), step.rope_rows, decodes, step.sample_rows]))
+        k = step.kv_rows.shape[1]  # 2, or 4 with the window pool's rows
         input_ids = torch.empty(tokens, dtype=torch.int64, device=self.device)
         n_chunk = tokens - len(decodes)
         if n_chunk:
@@ -661,8 +699,10 @@ class Engine:
             if drafted is not None:
                 input_ids[drafted[0]] = drafted[1]
         if len(decodes):
-            input_ids[n_chunk:] = self.last_tokens[host[3 * tokens : 3 * tokens + len(decodes)]]
-        batch = ForwardBatch(input_ids, host[2 * tokens : 3 * tokens], host[: 2 * tokens].view(tokens, 2), step.meta, self.between_layers)
+            input_ids[n_chunk:] = self.last_tokens[host[(k + 1) * tokens : (k + 1) * tokens + len(decodes)]]
+        batch = ForwardBatch(
+            input_ids, host[k * tokens : (k + 1) * tokens], host[: k * tokens].view(tokens, k), step.meta, self.between_layers
+        )
         shape = self.prefill_graphs.fit(tokens, len(step.seq_slots)) if self.prefill_graphs else None
         if shape:
             if waits is not None:
@@ -675,7 +715,7 @@ class Engine:
         self._prompt_logprobs(plan, step, hidden)
         if self.drafter is not None:
             self.drafter.take_features(plan, step, hidden)
-        return (self.model.logits(hidden[host[3 * tokens + len(decodes) :]]) if sampled else None), None
+        return (self.model.logits(hidden[host[(k + 1) * tokens + len(decodes) :]]) if sampled else None), None
 
     def _chunk_ids(self, plan: StepPlan, step: HostStep, n_chunk: int) -> tuple[np.ndarray, tuple[torch.Tensor, torch.Tensor] | None]:
         """The chunks' token ids, and for a draft left on the device (rows among them, its tokens) to put there."""

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
-from runtime.batch import ForwardBatch, StepAbandoned
+from runtime.batch import ForwardBatch, StepAbandoned, rows_of
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.kernels.rope import Rope
@@ -50,11 +50,12 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm, self.ops, self.eps = cfg.qk_norm, ops, cfg.rms_norm_eps
+        self.windowed = bool(cfg.layer_windows) and cfg.layer_windows[layer] > 0  # its K and V live in the window pool
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """[T, heads · dim] before o_proj; the new K and V reach the pool first. rope: (positions, tables)."""
         positions, rope_tables = rope
-        tokens = qkv.shape[0]
+        tokens, rows = qkv.shape[0], rows_of(batch.kv_rows, self.windowed)
         qk = qkv[:, : self.q_size + self.kv_size].view(tokens, self.heads + self.kv_heads, self.head_dim)
         norms = (self.q_norm.weight, self.k_norm.weight) if self.qk_norm else (None, None)
         if self.ops.rope_kv_write is not None and backend.rotates:  # decode attention does the rope pass's work itself
@@ -69,7 +70,7 @@ class Attention(nn.Module):
                 *norms,
                 self.eps,
                 backend.pool.rows(self.layer),
-                batch.kv_rows,
+                rows,
                 self.heads,
                 self.kv_heads,
                 backend.pool.scales[self.layer],
@@ -78,7 +79,7 @@ class Attention(nn.Module):
             if self.qk_norm:  # per-head norms, written back for the in-place rotation
                 qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
             self.ops.rope(positions, qk, self.heads, rope_tables)
-            backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), batch)
+            backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), rows)
         return backend.forward(self.layer, qk[:, : self.heads], batch).reshape(tokens, self.q_size)
 
 

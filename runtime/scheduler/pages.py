@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 
 class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
+        self.on_free: Callable[[list[int]], None] | None = None  # told of pages as they are freed (their window pages go too)
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: low ids first
         self._in_use = bytearray(num_pages)
 
@@ -33,8 +34,11 @@ class PageAllocator:
         self._free = [page for page in self._free if page not in taken]
 
     def free(self, pages: Iterable[int]) -> None:
-        for page in pages:
+        freed = list(pages)
+        for page in freed:
             if not self._in_use[page]:
                 raise RuntimeError(f"page {page} freed twice")
             self._in_use[page] = 0
             self._free.append(page)
+        if self.on_free is not None:
+            self.on_free(freed)

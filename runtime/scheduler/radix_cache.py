@@ -61,8 +61,17 @@ class Match(NamedTuple):
 
 
 class RadixCache:
-    def __init__(self, allocator: PageAllocator, page_size: int, tiers: Tiers | None = None) -> None:
+    def __init__(
+        self,
+        allocator: PageAllocator,
+        page_size: int,
+        tiers: Tiers | None = None,
+        replaced: Callable[[list[int], list[int]], None] | None = None,
+    ) -> None:
+        """`replaced`: told of an inserted request's pages and the tree's pages of the same tokens, before the
+        request's are freed (the window pool keeps whichever window pages are still paired)."""
         self.allocator = allocator
+        self.replaced = replaced
         self.page_size = page_size
         self.tiers = tiers
         self.root = self._new_root(None)
@@ -224,6 +233,8 @@ class RadixCache:
         for node, offset in self._walk(tokens, root):
             mine = pages[offset // self.page_size : offset // self.page_size + len(node.tokens) // self.page_size]
             if node.pages:
+                if self.replaced is not None:
+                    self.replaced(mine, node.pages)
                 self.allocator.free(p for p, cached in zip(mine, node.pages) if p != cached)
             else:  # only in the host tier: it takes these as its device copy
                 node.pages = list(mine)

@@ -16,6 +16,7 @@ from runtime.scheduler.ngram import ngram_draft
 from runtime.scheduler.pages import PageAllocator
 from runtime.scheduler.radix_cache import RadixCache, RadixNode
 from runtime.scheduler.tiers import TIER_NAMES, Tiers
+from runtime.scheduler.window_pages import WindowPages
 from runtime.step import DRAFT_HERE, MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, HostEntry, NewSlot, PromptLogprob, Sampled, StepPlan
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
@@ -42,6 +43,7 @@ class Request:
     slot: int | None = None
     pages: list[int] = field(default_factory=list)  # the page table: shared prefix pages, then own
     shared_pages: int = 0
+    window_from: int = 0  # with sliding windows: it holds the window pages of pages[window_from:]
     prefix: RadixNode | None = None
     computed: int = 0  # leading tokens whose KV is in `pages` once the planned steps have run
     confirmed: int = 0  # leading tokens whose KV is in `pages` already: the steps that wrote it have answered
@@ -67,18 +69,26 @@ class Scheduler:
         host_pages: int = 0,
         disk: Path | None = None,
         long_rope_from: int | None = None,
+        window: int = 0,
     ) -> None:
         """`host_pages`: the host tier's size in pages, under --enable-hierarchical-cache, and `disk` the folder of
         its page files (both as the engine has them: runtime.engine.kv_tiers). `long_rope_from`: LongRoPE's
-        pretraining length (ModelConfig.long_rope_from), past which a prompt's KV is roped otherwise."""
+        pretraining length (ModelConfig.long_rope_from), past which a prompt's KV is roped otherwise. `window`: the
+        model's longest sliding window (ModelConfig.window), whose layers keep pages in the window pool."""
         self.config = config
         self.long_rope_from = long_rope_from
         self.page_size = config.page_size
         self.allocator = PageAllocator(num_pages)
+        self.windows: WindowPages | None = None
+        if window:
+            pages = config.window_pages_for(num_pages, window)
+            self.windows = WindowPages(pages, window, config.page_size, config.window_prefill_pages(window))
+            self.allocator.on_free = self.windows.drop
         tiers = None
         if config.hierarchical_cache:
             tiers = Tiers(PageAllocator(host_pages), config.hicache_write_policy == "write_through", disk)
-        self.cache = RadixCache(self.allocator, config.page_size, tiers) if config.enable_prefix_cache else None
+        replaced = self.windows.replace if self.windows is not None else None
+        self.cache = RadixCache(self.allocator, config.page_size, tiers, replaced) if config.enable_prefix_cache else None
         self.tier_hits = dict.fromkeys(TIER_NAMES, 0)  # prompt tokens found in each tier at admission
         # speculative decoding: a request is fed its last token and a draft once its step before has answered
         self.speculative = config.speculative_algorithm is not None
@@ -156,6 +166,10 @@ class Scheduler:
                 assert request.slot is not None  # a running request holds a slot
                 plan.new_slots.append(self._new_slot(request))
                 plan.pages.append((request.slot, list(request.pages)))
+            if self.windows is not None:  # and every pairing of the window pool
+                self.windows.assigned = list(self.windows.of.items())
+        for request in self.running:
+            self._slide(request)
         budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
         assert budget is not None  # EngineConfig fills in the device's default
         limit = self.config.speculative_disable_by_batch_size
@@ -211,7 +225,25 @@ class Scheduler:
             self._resync = False  # a plan goes out
             if self.cache is not None:
                 plan.moves = self.cache.take_moves(plan.step)
+            if self.windows is not None:
+                plan.window_pages = self.windows.take_assigned()
         return plan
+
+    def _slide(self, request: Request) -> None:
+        """Its window pages before the first its next query sees go back (by `confirmed`: the steps after it may
+        be run again, should the engine die)."""
+        if self.windows is None:
+            return
+        first = min(self.windows.first_seen(request.confirmed), len(request.pages))
+        if first > request.window_from:
+            self.windows.release(request.pages[request.window_from : first])
+            request.window_from = first
+
+    def _let_go(self, request: Request) -> None:
+        """It holds no window page any more (it stops running, or is not admitted after all)."""
+        if self.windows is not None:
+            self.windows.release(request.pages[request.window_from :])
+            request.window_from = len(request.pages)
 
     def adopt(self, held: list[HeldKV], host: list[HostEntry] | None = None) -> None:
         """The KV an engine kept across the new epoch that made this scheduler (a scheduler's death): each
@@ -220,6 +252,8 @@ class Scheduler:
         page waits for its request. `host`: the host tier's index, whose chains go into the tree first."""
         if host and self.cache is not None and self.cache.tiers is not None:
             self.cache.restore(host)
+        if self.windows is not None:  # which window page held what died with the scheduler before: replays recompute
+            return
         taken: set[int] = set()
         for rid, tokens, pages, salt in held:
             self.allocator.take(page for page in pages if page not in taken)
@@ -322,12 +356,19 @@ class Scheduler:
         if self.cache is not None and request.params.prompt_logprobs is None:  # those need every prompt position's logits
             found = self.cache.match(request.tokens[:-1], request.params.cache_salt)  # the last token must be computed
             self.cache.lock(found.node)
-            request.prefix, request.pages, request.shared_pages = found.node, list(found.pages), len(found.pages)
-            request.computed = len(found.pages) * self.page_size
+            # with windows: up to where the window before is still in the window pool
+            usable = self.windows.usable(found.pages) if self.windows is not None else len(found.pages)
+            request.prefix, request.pages, request.shared_pages = found.node, found.pages[:usable], usable
+            request.computed = usable * self.page_size
+            if self.windows is not None:
+                request.window_from = self.windows.first_seen(request.computed)
+                self.windows.hold(request.pages[request.window_from :])
         if request.rid in self.adopted:
             self._claim(request)
         needed = self.config.pages_for(len(request.tokens)) - len(request.pages)
-        if not self._reserve(needed):
+        # the window pool: room for the prefill's window and chunks in flight (it gives back pages as it moves on)
+        window_pages = self.windows.prefill_pages if self.windows is not None else 0
+        if not self._reserve(needed, min(needed, window_pages)):
             self._drop_pages(request)
             return False
         request.matched = request.confirmed = request.computed
@@ -348,13 +389,15 @@ class Scheduler:
             plan.pages.append((request.slot, list(request.pages)))
         return True
 
-    def _reserve(self, count: int) -> bool:
+    def _reserve(self, count: int, window_count: int | None = None) -> bool:
+        """Room for `count` more pages, and `window_count` (default: as many) more window pages."""
         if count > self.allocator.num_free and self.adopted:
             self.release_adopted()
         short = count - self.allocator.num_free
         if short > 0 and self.cache is not None:
             self.cache.evict(short)
-        return self.allocator.num_free >= count
+        room = self.windows is None or self.windows.num_free >= (count if window_count is None else window_count)
+        return self.allocator.num_free >= count and room
 
     def _grow(self, request: Request, count: int, plan: StepPlan) -> bool:
         """Pages for `count` more tokens, preempting the newest requests if short; ends one outgrowing the pool."""
@@ -374,6 +417,8 @@ class Scheduler:
         if needed:
             pages = self.allocator.alloc(needed)
             assert pages is not None and request.slot is not None  # _reserve made room; a request grows while it runs
+            if self.windows is not None:
+                assert self.windows.assign(pages)  # so it did in the window pool
             request.pages += pages
             plan.pages.append((request.slot, pages))
         return True
@@ -403,11 +448,13 @@ class Scheduler:
         request.slot, request.decoding, request.plain_decodes = None, False, 0
 
     def _drop_pages(self, request: Request) -> None:
+        self._let_go(request)
         self.allocator.free(request.pages[request.shared_pages :])
         if request.prefix is not None:
             assert self.cache is not None  # only the prefix cache gives a prefix
             self.cache.unlock(request.prefix)
         request.pages, request.shared_pages, request.prefix, request.computed, request.confirmed = [], 0, None, 0, 0
+        request.window_from = 0
 
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
         """Record `step`'s tokens (a slot's in order, several after a speculative chunk); returns the requests
@@ -458,6 +505,7 @@ class Scheduler:
         self._freed.append(request.slot)
         self._release_slot(request)
         if self.cache is not None:
+            self._let_go(request)  # its window pages stay paired, idle, with the pages the tree takes
             whole = request.confirmed // self.page_size  # not what steps in flight will write: the engine may die first
             self.cache.insert(request.tokens[: whole * self.page_size], request.pages[:whole], request.params.cache_salt)
             request.pages, request.shared_pages = request.pages[whole:], 0  # the tree owns the rest

@@ -1,0 +1,104 @@
+"""The window pool (runtime.scheduler.window_pages): a sliding-window layer keeps a request's window and a page,
+not its whole sequence, in a pool far smaller than the sequences, with the same tokens and log-probabilities as
+transformers; idle window pages serve prefix-cache hits until the pool takes them back."""
+
+from __future__ import annotations
+
+import pytest
+
+from runtime import LLM, SamplingParams
+from runtime.config import EngineConfig
+from runtime.scheduler.scheduler import Request, Scheduler
+from runtime.scheduler.window_pages import WindowPages
+from tests.test_parity import CHUNK_BUDGET, LOGPROB_TOLERANCE, NEW_TOKENS, divergence, greedy_matches, prompts_for, reference
+
+WINDOW = 16  # tests.tiny_models' gemma3
+
+
+def held(request: Request) -> int:
+    return len(request.pages) - request.window_from
+
+
+@pytest.mark.parametrize(("page_size", "steps_in_flight"), [(4, 1), (1, 2)])
+def test_window_layers_hold_a_window_and_a_page_and_match_transformers(tiny_model, page_size, steps_in_flight):
+    """Eight prompts of up to 90 tokens, 48 tokens each after them, in a window pool of a fifth of the tokens they
+    reach: each decoding request holds the window pages of its last 16 positions (and of the steps in flight),
+    never more; the tokens and log-probabilities are transformers', then again from the prefix cache."""
+    model = tiny_model("gemma3")
+    llm = LLM(
+        model,
+        dtype="float32",
+        page_size=page_size,
+        max_prefill_tokens=CHUNK_BUDGET,
+        num_pages=2048 // page_size,
+        swa_full_tokens_ratio=0.06,
+        steps_in_flight=steps_in_flight,
+    )
+    scheduler = llm.scheduler
+    windows = scheduler.windows
+    assert windows is not None and windows.allocator.num_pages * page_size < 0.2 * sum(len(p) + NEW_TOKENS for p in prompts_for(model))
+    most = -(-WINDOW // page_size) + 1  # a window and a page
+    schedule, seen = scheduler.schedule, []
+
+    def checked():
+        plan = schedule()
+        for request in scheduler.running:
+            assert all(page in windows.holders for page in request.pages[request.window_from :])
+            if request.decoding and request.output_ids:
+                earlier = request.computed - request.confirmed - 1  # tokens of earlier steps not answered yet
+                assert held(request) <= most + -(-earlier // page_size), (request.rid, held(request), request.confirmed)
+                seen.append(held(request))
+        assert windows.num_held <= sum(held(r) for r in scheduler.running)
+        return plan
+
+    scheduler.schedule = checked
+    prompts = [list(p) for p in prompts_for(model)]
+    params = SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True, logprobs=5)
+    for attempt in range(2):
+        for output, (theirs, logprobs) in zip(llm.generate(prompts, params), reference(model)):
+            for position, top in enumerate(output.logprobs[: divergence(output.token_ids, theirs) + 1]):
+                for token, logprob in top.items():
+                    assert abs(logprob - logprobs[position, token].item()) < LOGPROB_TOLERANCE, (attempt, position, token)
+            greedy_matches(output.token_ids, theirs, logprobs)
+    assert max(seen) == most or steps_in_flight > 1  # the bound is reached, not loose
+    llm.flush_cache()
+    assert windows.allocator.num_free == windows.allocator.num_pages and not windows.of
+
+
+def test_an_idle_window_page_is_taken_back_and_the_match_stops_before_it():
+    """Pages whose window page the pool took back are tombstones: a cached prefix is used up to the last page
+    whose window before it is whole; a finished request's twin pages hand their window pages to the tree's."""
+    pages = WindowPages(num_pages=6, window=8, page_size=4)
+    assert pages.assign([10, 11, 12, 13]) and pages.num_held == 4
+    pages.release([10, 11, 12, 13])
+    assert pages.num_held == 0 and pages.num_free == 6
+    assert pages.usable([10, 11, 12, 13]) == 4
+    assert pages.assign([20, 21, 22])  # two free, one taken back from the longest idle: page 10's
+    assert 10 not in pages.of and pages.usable([10, 11, 12, 13]) == 4  # a query at 16 sees 9..16: pages 2 and 3
+    pages.release([20, 21, 22])
+    assert pages.assign([30, 31, 32, 33, 34])  # 11, 12, 13 and two of 20..22 taken back
+    assert pages.usable([10, 11, 12, 13]) == 0
+    pages.release([30, 31, 32, 33, 34])
+    pages.replace([30, 31], [10, 11])  # the tree's 10 and 11 take their twins' window pages
+    assert 10 in pages.of and 11 in pages.of and 30 not in pages.of and pages.usable([10, 11, 12, 13]) == 2
+    pages.drop([10, 11, 22, 32, 33, 34])
+    assert pages.allocator.num_free == pages.allocator.num_pages and not pages.of
+
+
+def test_the_scheduler_gives_back_what_falls_out_of_the_window():
+    """A prompt of 64 tokens in chunks of 8 with a window of 8 and pages of 4: after each chunk the request holds the
+    pages its next query sees and the chunk's, and the window pool never holds more than that."""
+    config = EngineConfig(page_size=4, max_prefill_tokens=8)
+    scheduler = Scheduler(config, num_pages=64, eos_token_ids=(), max_position=256, window=8)
+    request = scheduler.add(0, list(range(1, 65)), SamplingParams(max_tokens=1, temperature=0))
+    for _ in range(8):
+        plan = scheduler.schedule()
+        assert len(plan.chunks) == 1 and len(plan.window_pages) == 2  # each chunk's two new pages are paired
+        request.confirmed = request.computed  # as if the step had answered
+        assert held(request) <= 2 + 3, held(request)  # the chunk's, and those a query at its start sees
+    assert scheduler.windows is not None and scheduler.windows.num_held == held(request) <= 5
+
+
+def test_windows_refuse_the_host_tier(tiny_model):
+    with pytest.raises(ValueError, match="sliding windows"):
+        LLM(tiny_model("gemma3"), dtype="float32", hierarchical_cache=True)
