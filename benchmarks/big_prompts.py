@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from benchmarks.provenance import provenance
-from benchmarks.server import API_WORKERS, free_port, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import API_WORKERS, connector, free_port, sse_events, start_server, stop_server, wait_healthy
 
 SHORT = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "stream": True}
 
@@ -55,7 +55,7 @@ async def _attack(base_url: str, bodies: list[bytes], rate: float, stop_after: f
     deadline, statuses = time.monotonic() + stop_after, []
     headers = {"Content-Type": "application/json"}
     interval = len(bodies) / rate if rate else 0.0
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+    async with aiohttp.ClientSession(base_url, connector=connector()) as http:
 
         async def loop(body: bytes) -> None:
             due = time.monotonic()

@@ -46,7 +46,7 @@ import psutil
 
 from actors.control import SPARE_STARTING, ControlBlock
 from benchmarks.provenance import provenance
-from benchmarks.server import API_WORKERS, ServerExited, free_port, server_config, sse_events, start_server, wait_healthy
+from benchmarks.server import API_WORKERS, ServerExited, connector, free_port, server_config, sse_events, start_server, wait_healthy
 from transport.segment import list_segments, server_prefix
 
 BACKEND_KINDS = ("tokenizer", "scheduler", "engine", "detokenizer")
@@ -316,7 +316,7 @@ async def run(args: argparse.Namespace) -> dict:
     recoveries: list[float] = []
     try:
         timeout = aiohttp.ClientTimeout(total=600)
-        async with aiohttp.ClientSession(server.base_url, timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with aiohttp.ClientSession(server.base_url, timeout=timeout, connector=connector()) as http:
             try:
                 await wait_healthy(http, 300, server.proc)
             except ServerExited as exc:

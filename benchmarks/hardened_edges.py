@@ -33,7 +33,7 @@ import psutil
 
 from benchmarks.chaos import Server
 from benchmarks.provenance import provenance
-from benchmarks.server import API_WORKERS, free_port, server_config, wait_healthy
+from benchmarks.server import API_WORKERS, connector, free_port, server_config, wait_healthy
 
 SLOWLORIS_PER_ADDRESS = 5000
 SLOWLORIS_S = 40.0
@@ -247,7 +247,7 @@ async def _run(args: argparse.Namespace) -> dict:
     server = Server(args.model, free_port(), log, ["--api-workers", str(API_WORKERS)])
     os.sched_setaffinity(0, client_cores)  # and this process, the attackers it starts with it, the rest
     try:
-        async with aiohttp.ClientSession(server.base_url, connector=aiohttp.TCPConnector(limit=0)) as http:
+        async with aiohttp.ClientSession(server.base_url, connector=connector()) as http:
             await wait_healthy(http, 300, server.proc)
             workers = Workers(server)
             record = {"config": await server_config(http), "cores": {"server": sorted(server_cores), "clients": sorted(client_cores)}}

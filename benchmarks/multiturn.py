@@ -43,7 +43,7 @@ import orjson
 
 from benchmarks.provenance import machine, provenance
 from benchmarks.serve import scrape
-from benchmarks.server import API_WORKERS, free_port, server_config, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import API_WORKERS, connector, free_port, server_config, sse_events, start_server, stop_server, wait_healthy
 
 # User tokens are drawn from these ids: above the special tokens of SmolLM2 (0-16) and Mistral (below 1,000), below
 # those of Llama-3 and Qwen (128,000 and up), so every supported tokenizer reads them as plain text.
@@ -139,7 +139,7 @@ async def drive(server: subprocess.Popen, launched: float, port: int, args: argp
     for --time-limit s at most. The arm's figures."""
     users = [user_turns(args.seed, client, args.rounds, args.user_tokens) for client in range(args.clients)]
     timeout = aiohttp.ClientTimeout(total=args.timeout)
-    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+    async with aiohttp.ClientSession(f"http://127.0.0.1:{port}", connector=connector(), timeout=timeout) as http:
         await wait_healthy(http, args.startup_timeout, server)
         startup_s = time.perf_counter() - launched
         if (config := await server_config(http)) is None:

@@ -37,7 +37,7 @@ import orjson
 
 from actors.pipeline import ServeConfig
 from benchmarks.provenance import provenance
-from benchmarks.server import API_WORKERS, free_port, server_config, start_server, stop_server, wait_healthy
+from benchmarks.server import API_WORKERS, connector, free_port, server_config, start_server, stop_server, wait_healthy
 from runtime.config import EngineConfig
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "h200-offline.json"
@@ -123,7 +123,7 @@ async def _drive(
     prefilled half of them.) Also returns the configuration the server reports."""
     import aiohttp
 
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=3600)) as http:
+    async with aiohttp.ClientSession(base_url, connector=connector(), timeout=aiohttp.ClientTimeout(total=3600)) as http:
         await wait_healthy(http, 900, server)  # start-up loads weights and captures CUDA graphs
         startup_s = time.perf_counter() - launched
         if (config := await server_config(http)) is None:

@@ -36,7 +36,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from actors.topology import DEFAULT_PORT
-from benchmarks.server import server_config
+from benchmarks.server import connector, server_config
 from runtime.models.source import load_tokenizer, resolve_model_dir
 
 ENDPOINTS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
@@ -285,7 +285,7 @@ async def run_benchmark(args: argparse.Namespace) -> dict:
     base_url = args.base_url.rstrip("/")
     url = base_url + ENDPOINTS[args.endpoint]
     limit = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else contextlib.nullcontext()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=6 * 3600)) as http:
+    async with aiohttp.ClientSession(connector=connector(), timeout=aiohttp.ClientTimeout(total=6 * 3600)) as http:
         model = args.model or await first_model(http, base_url)
         config = await server_config(http, base_url)
         before = await scrape(http, base_url)

@@ -15,9 +15,17 @@ from collections.abc import AsyncIterator
 import aiohttp
 import orjson
 
+from actors.pipeline import ServeConfig
 from transport.lifetime import on_parent_death
 
 API_WORKERS = 2  # of a server a benchmark starts, unless told otherwise (`ringllm serve` alone starts one)
+
+
+def connector() -> aiohttp.TCPConnector:
+    """A client's connections, unlimited, each dropped after idling half the server's header timeout: the server
+    closes a keep-alive connection idle for that long, and a request sent on one it has just closed fails with
+    ServerDisconnectedError (aiohttp's own idle limit, 15 s, is longer than the server's 10)."""
+    return aiohttp.TCPConnector(limit=0, keepalive_timeout=ServeConfig.header_timeout / 2)
 
 
 def stop_with_parent() -> None:

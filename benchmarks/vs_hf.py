@@ -43,7 +43,7 @@ import aiohttp
 from benchmarks import write_result
 from benchmarks.offline import versions
 from benchmarks.provenance import provenance
-from benchmarks.server import free_port, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import connector, free_port, sse_events, start_server, stop_server, wait_healthy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -195,7 +195,7 @@ def hf_request(model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) 
 
 
 async def both_sides(base_url: str, model: str, model_dir: Path, tokenizer: Tokenizer, args: argparse.Namespace) -> dict[str, dict]:
-    async with aiohttp.ClientSession(base_url, connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=1800)) as http:
+    async with aiohttp.ClientSession(base_url, connector=connector(), timeout=aiohttp.ClientTimeout(total=1800)) as http:
         await wait_healthy(http, 300)
         sides = {"ringllm": ringllm_request(http, model), "hf": hf_request(model_dir, tokenizer, args)}
         return await measure(sides, tokenizer, args)
