@@ -40,7 +40,10 @@ class RopeConfig:
     original_max_position: int = 8192
     short_factor: tuple[float, ...] = ()  # LongRoPE's: each frequency's divisor below original_max_position
     long_factor: tuple[float, ...] = ()  # ... and from there on
-    attention_factor: float = 1.0  # LongRoPE's: cos and sin scaled by it
+    attention_factor: float = 1.0  # LongRoPE's and YaRN's: cos and sin scaled by it
+    beta_fast: float = 32.0  # YaRN's: the rotations past which a pair is extrapolated, not interpolated
+    beta_slow: float = 1.0
+    truncate: bool = True  # YaRN's: the ramp's ends rounded to whole dimensions
 
     @classmethod
     def from_dict(cls, rope: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
@@ -59,6 +62,20 @@ class RopeConfig:
             high_freq_factor=float(rope.get("high_freq_factor", 4.0)),
             original_max_position=original,
         )
+        if kind == "yarn":  # as transformers: the attention factor from the stretch, or mscale's ratio
+            factor = float(rope.get("factor") or raw["max_position_embeddings"] / original)
+            mscale, mscale_all_dim = rope.get("mscale"), rope.get("mscale_all_dim")
+            attention = rope.get("attention_factor") or (
+                _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all_dim) if mscale and mscale_all_dim else _yarn_mscale(factor)
+            )
+            return replace(
+                config,
+                factor=factor,
+                attention_factor=float(attention),
+                beta_fast=float(rope.get("beta_fast") or 32.0),
+                beta_slow=float(rope.get("beta_slow") or 1.0),
+                truncate=bool(rope.get("truncate", True)),
+            )
         if kind != "longrope":
             return config
         # as transformers: the factor is the context's stretch over pretraining, the attention factor from it
@@ -68,10 +85,15 @@ class RopeConfig:
         return replace(config, factor=float(factor), short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
 @dataclass(frozen=True)
 class MoeConfig:
-    """Qwen3-MoE's and Mixtral's sparse blocks: top_k of num_experts SiLU-gated MLPs per token, weighted by the
-    router's softmax (renormalised over the chosen when norm_topk_prob)."""
+    """Qwen3-MoE's, Mixtral's and GPT-OSS's sparse blocks: top_k of num_experts SiLU-gated MLPs per token, weighted
+    by the router's softmax (renormalised over the chosen when norm_topk_prob). GPT-OSS's router and experts have
+    biases, and its experts gate with a clamped SwiGLU (swiglu_limit)."""
 
     num_experts: int
     top_k: int
@@ -79,6 +101,9 @@ class MoeConfig:
     norm_topk_prob: bool
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
+    biases: bool = False  # on the router and on each expert's projections
+    swiglu_limit: float | None = None  # GPT-OSS: (clamp(up) + 1) · g · sigmoid(alpha · g), g = gate clamped above
+    swiglu_alpha: float = 1.702
 
     def is_sparse(self, layer: int) -> bool:
         """Hugging Face's rule: every decoder_sparse_step-th layer, except the MLP-only ones."""
@@ -127,8 +152,10 @@ class ModelConfig:
     attention_scale: float | None = None  # the softmax's scale where not head_dim ** -0.5 (Gemma's query_pre_attn_scalar)
     attention_softcap: float | None = None  # Gemma 2: each score s becomes cap · tanh(s / cap)
     final_softcap: float | None = None  # ... and each logit
+    attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax (runtime.attention.backend)
     moe: MoeConfig | None = None
     fp8: Fp8Config | None = None  # the checkpoint's projections are block-quantized FP8
+    mxfp4: bool = False  # the checkpoint's experts are MXFP4 (GPT-OSS's): dequantized as they load (runtime.models.mxfp4)
     draft_vocab_size: int | None = None  # an EAGLE-3 head's: its lm_head's rows
     eagle_aux_layers: tuple[int, ...] | None = None  # an EAGLE-3 head's: the target layers whose outputs it reads
 
@@ -152,8 +179,19 @@ class ModelConfig:
             )
         elif arch == "MixtralForCausalLM":  # every layer sparse, its top-k always renormalised
             moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
+        elif arch == "GptOssForCausalLM":  # every layer sparse; a softmax over the top-k logits is the renormalised one
+            moe = MoeConfig(
+                experts,
+                raw["num_experts_per_tok"],
+                raw["intermediate_size"],
+                norm_topk_prob=True,
+                biases=True,
+                swiglu_limit=float(raw.get("swiglu_limit", 7.0)),
+                swiglu_alpha=float(raw.get("swiglu_alpha", 1.702)),
+            )
         max_position = raw.get("max_position_embeddings", 4096)
         gemma = arch in GEMMA_ARCHITECTURES
+        quant = raw.get("quantization_config")
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -175,9 +213,11 @@ class ModelConfig:
             attention_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
             attention_softcap=raw.get("attn_logit_softcapping") if gemma else None,
             final_softcap=raw.get("final_logit_softcapping") if gemma else None,
+            attention_sinks=arch == "GptOssForCausalLM",
             eos_token_ids=eos_ids(raw),
             moe=moe,
-            fp8=Fp8Config.from_dict(raw["quantization_config"]) if raw.get("quantization_config") else None,
+            fp8=Fp8Config.from_dict(quant) if quant and quant.get("quant_method") != "mxfp4" else None,
+            mxfp4=bool(quant) and quant.get("quant_method") == "mxfp4",
             draft_vocab_size=raw.get("draft_vocab_size"),
             eagle_aux_layers=tuple(aux) if (aux := (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")) else None,
         )
@@ -236,7 +276,7 @@ def _ropes(raw: dict[str, Any]) -> tuple[RopeConfig, RopeConfig | None]:
 
 def _rope(params: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
     rope = RopeConfig.from_dict(params, raw)
-    if rope.kind not in ("default", "linear", "llama3", "longrope"):
+    if rope.kind not in ("default", "linear", "llama3", "longrope", "yarn"):
         raise ValueError(f"rope type {rope.kind!r} is not supported")
     if float(params.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0)) != 1.0:
         raise ValueError("rope over part of each head (partial_rotary_factor) is not supported")

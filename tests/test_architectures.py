@@ -139,3 +139,42 @@ def test_longrope_takes_its_long_factors_where_transformers_does(longrope_phi3, 
                 for token, logprob in top.items():
                     assert abs(logprob - logprobs[position, token].item()) < LOGPROB_TOLERANCE, (attempt, i, position, token)
             greedy_matches(output.token_ids, theirs, logprobs)
+
+
+def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., rows, cols] -> (blocks [..., rows, cols/32, 16], scales [..., rows, cols/32]) as GPT-OSS ships experts: each
+    block of 32 scaled by the power of two that brings its largest value to at most 6, each value rounded to e2m1."""
+    from runtime.models.mxfp4 import E2M1
+
+    groups = weight.unflatten(-1, (-1, 32))
+    exponent = torch.ceil(torch.log2(groups.abs().amax(-1).clamp(min=2**-100) / 6.0)).clamp(-127, 127)
+    scaled = groups / torch.exp2(exponent)[..., None]
+    codes = (scaled[..., None] - torch.tensor(E2M1)).abs().argmin(-1).to(torch.uint8)  # the nearest code
+    return (codes[..., 0::2] | codes[..., 1::2] << 4), (exponent + 127).to(torch.uint8)
+
+
+def test_mxfp4_experts_equal_transformers_on_the_dequantized_weights(tmp_path):
+    """GPT-OSS's experts as its checkpoints ship them (MXFP4 blocks and scales, transformers' layout transposed):
+    ringllm dequantizes them as they load and gives transformers' tokens and log-probabilities, transformers running
+    the same blocks dequantized by its own code into a plain checkpoint."""
+    from safetensors.torch import load_file, save_file
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from tests.test_parity import compare
+
+    plain = build("gpt_oss", tmp_path / "plain", intermediate_size=64)
+    quantized, dequantized = tmp_path / "mxfp4", tmp_path / "dequantized"
+    tensors = load_file(plain / "model.safetensors")
+    packed, unpacked = dict(tensors), dict(tensors)
+    for name in [n for n in tensors if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        blocks, scales = quantize_mxfp4(tensors[name].transpose(1, 2).contiguous())
+        del packed[name]
+        packed[f"{name}_blocks"], packed[f"{name}_scales"] = blocks, scales
+        unpacked[name] = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+        assert (unpacked[name] - tensors[name]).abs().max() > 0  # rounding moved the weights: the test sees which it runs
+    config = json.loads((plain / "config.json").read_text())
+    for folder, weights, extra in ((quantized, packed, {"quantization_config": {"quant_method": "mxfp4"}}), (dequantized, unpacked, {})):
+        folder.mkdir()
+        save_file(weights, str(folder / "model.safetensors"))
+        (folder / "config.json").write_text(json.dumps({**config, **extra}))
+    compare(quantized, 16, True, reference_dir=dequantized)

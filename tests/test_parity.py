@@ -75,8 +75,9 @@ def reference(model_dir: Path, fp8_kv: bool = False) -> list[tuple[list[int], to
     from transformers import AttentionInterface, AutoModelForCausalLM
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    # SDPA has no soft cap on the scores: transformers runs Gemma 2 eager
-    attention = "eager" if json.loads((model_dir / "config.json").read_text()).get("attn_logit_softcapping") else "sdpa"
+    # SDPA has no soft cap on the scores and no sinks: transformers runs Gemma 2 and GPT-OSS eager
+    config = json.loads((model_dir / "config.json").read_text())
+    attention = "eager" if config.get("attn_logit_softcapping") or config["architectures"][0] == "GptOssForCausalLM" else "sdpa"
     if fp8_kv:
         AttentionInterface.register("fp8_kv_sdpa", fp8_kv_sdpa)
         AttentionMaskInterface.register("fp8_kv_sdpa", sdpa_mask)  # SDPA's masks, as for "sdpa"

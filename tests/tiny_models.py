@@ -27,6 +27,7 @@ def _configs():
     from transformers import (
         Gemma2Config,
         Gemma3TextConfig,
+        GptOssConfig,
         LlamaConfig,
         MistralConfig,
         MixtralConfig,
@@ -67,6 +68,11 @@ def _configs():
         "gemma2": (Gemma2Config, dict(head_dim=16, query_pre_attn_scalar=24, sliding_window=16, final_logit_softcapping=5.0)),
         # every layer windowed (Mistral-7B-v0.1)
         "mistral_window": (MistralConfig, dict(sliding_window=16)),
+        # every other layer windowed (16), a sink per head, YaRN rope, 4 experts (top 2) with biases and a clamped SwiGLU
+        "gpt_oss": (
+            GptOssConfig,
+            dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=16, swiglu_limit=1.5),
+        ),
         "mistral": (MistralConfig, dict(sliding_window=None)),
         # q/k/v and gate/up fused in the checkpoint
         "phi3": (Phi3Config, dict(sliding_window=None, pad_token_id=0, bos_token_id=1, eos_token_id=2)),
@@ -95,7 +101,7 @@ def _configs():
 
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
-WINDOWED_ARCHITECTURES = ("gemma3", "gemma2", "mistral_window")
+WINDOWED_ARCHITECTURES = ("gemma3", "gemma2", "mistral_window", "gpt_oss")
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
 
 
@@ -105,10 +111,11 @@ def build(name: str, folder: Path, **overrides) -> Path:
     config_cls, extra = _configs()[name]
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra, **overrides}))
-    with torch.no_grad():  # Gemma's norms start at 0 (they scale by 1 + weight): move them, or a misread goes unseen
+    with torch.no_grad():  # Gemma's norms, GPT-OSS's sinks and biases start at 0: move them, or a misread goes unseen
         for name, param in model.named_parameters():
-            if name.endswith("norm.weight") and not param.any():
-                param.normal_(0.0, 0.3)
+            if name.endswith(("norm.weight", "sinks")) or (name.endswith("bias") and name.startswith("model.layers")):
+                if not param.any():
+                    param.normal_(0.0, 0.3)
     model.save_pretrained(folder)
     return folder
 

@@ -18,16 +18,18 @@ from runtime.kernels.rope import Rope
 @dataclass(frozen=True)
 class AttentionSpec:
     """What a model asks of attention beyond causal softmax(q·kᵀ)·v: the softmax's scale, a cap on the scores
-    (Gemma 2: s becomes softcap · tanh(s / softcap)), and each layer's sliding window (a query sees its last
-    `window` positions, itself included; 0: all of them)."""
+    (Gemma 2: s becomes softcap · tanh(s / softcap)), each layer's sliding window (a query sees its last
+    `window` positions, itself included; 0: all of them), and sinks (GPT-OSS: each head's learned logit joins
+    the softmax's sum and takes its share of the weight, the layer's `sinks` handed to forward)."""
 
     scale: float
     softcap: float | None = None
     windows: tuple[int, ...] = ()
+    sinks: bool = False
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> AttentionSpec:
-        return cls(cfg.attention_scale or cfg.head_dim**-0.5, cfg.attention_softcap, cfg.layer_windows)
+        return cls(cfg.attention_scale or cfg.head_dim**-0.5, cfg.attention_softcap, cfg.layer_windows, cfg.attention_sinks)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0
@@ -45,9 +47,10 @@ class AttentionBackend(Protocol):
         """Per-step planning shared by every layer."""
         ...
 
-    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None, sinks: Tensor | None = None) -> Tensor:
         """q: [T, heads, dim], the step's new K and V already in the pool; or, with `rope` (where
-        `rotates`), the raw qkv [T, heads + 2 kv heads, dim]. Returns [T, heads, dim]."""
+        `rotates`), the raw qkv [T, heads + 2 kv heads, dim]. `sinks`: [heads], the layer's (AttentionSpec).
+        Returns [T, heads, dim]."""
         ...
 
 

@@ -49,6 +49,9 @@ class FlashInferAttention:
         a row's output is then the same whatever shares its step."""
         import flashinfer  # optional: present on CUDA machines only
 
+        if spec.sinks:  # in flashinfer 0.6 only its Blackwell (trtllm-gen) kernels take sinks
+            raise ValueError("attention sinks (GPT-OSS) are not in flashinfer's Hopper kernels: serve with --attention-backend torch")
+
         self.flashinfer, self.pool, self.num_heads, self.spec = flashinfer, pool, num_heads, spec
         self.backend = "auto"
         if deterministic:
@@ -205,7 +208,7 @@ class FlashInferAttention:
         runs decodes only)."""
         return isinstance(self.active, TritonDecode) and self.active.rotates
 
-    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None) -> Tensor:
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None, sinks: Tensor | None = None) -> Tensor:
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
         out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
         scales: dict[str, Any] = {}

@@ -1,6 +1,6 @@
 """The reference backend: SDPA per sequence for prefill, one batched SDPA per layer for decode,
 and ringllm's paged decode kernel in place on fp32 CPUs that build it. Sliding windows are masks; a
-soft cap on the scores (which SDPA lacks) runs SDPA's math written out."""
+soft cap on the scores and attention sinks (which SDPA lacks) run SDPA's math written out."""
 
 from __future__ import annotations
 
@@ -18,19 +18,26 @@ from runtime.batch import AttentionMeta, ForwardBatch
 from runtime.kernels.cpu import build as cpu_kernels
 
 
-def attend(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec, causal: bool = False) -> Tensor:
+def attend(
+    q: Tensor, keys: Tensor, values: Tensor, mask: Tensor | None, spec: AttentionSpec, causal: bool = False, sinks: Tensor | None = None
+) -> Tensor:
     """softmax(q·kᵀ · scale)·v over [..., heads, rows, dim] (keys' heads may be fewer: GQA); `mask`: True or 0 where
-    a row sees a key, False or -inf where not."""
-    if spec.softcap is None:
+    a row sees a key, False or -inf where not; `sinks`: each of q's heads' sink logit, shaped as q's heads [..., 1, 1]."""
+    if spec.softcap is None and sinks is None:
         return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, is_causal=causal, scale=spec.scale, enable_gqa=True)
     if keys.shape[-3] != q.shape[-3]:
         keys, values = (x.repeat_interleave(q.shape[-3] // x.shape[-3], dim=-3) for x in (keys, values))
-    scores = torch.tanh(q @ keys.transpose(-1, -2) * (spec.scale / spec.softcap)) * spec.softcap
+    scores = q @ keys.transpose(-1, -2) * spec.scale
+    if spec.softcap is not None:
+        scores = torch.tanh(scores / spec.softcap) * spec.softcap
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    return scores.softmax(-1) @ values
+    if sinks is None:
+        return scores.softmax(-1) @ values
+    with_sinks = torch.cat([scores, sinks.to(scores.dtype).expand(*scores.shape[:-1], 1)], dim=-1)
+    return with_sinks.softmax(-1)[..., :-1] @ values
 
 
 def visible(q_len: int, kv_len: int, window: int, device: torch.device) -> Tensor | None:
@@ -99,20 +106,21 @@ class TorchAttention:
         keys, values = self.pool.gather(layer, pages.flatten())
         return keys.view(shape), values.view(shape)
 
-    def forward(self, layer: int, q: Tensor, batch: ForwardBatch) -> Tensor:
+    def forward(self, layer: int, q: Tensor, batch: ForwardBatch, sinks: Tensor | None = None) -> Tensor:
         kv_heads, spec, window = self.pool.num_kv_heads, self.spec, self.spec.window(layer)
         plan = self._plans[window > 0]
         if plan.decode is not None and self.in_place:
             pages, kv_lens = plan.decode
             return torch.ops.ringllm_cpu.paged_decode_attention(
-                q, self.pool.kv[layer], pages, kv_lens, spec.scale, window, spec.softcap or 0.0
+                q, self.pool.kv[layer], pages, kv_lens, spec.scale, window, spec.softcap or 0.0, sinks
             )
         if plan.decode is not None:
             pages, masks = plan.decode
             keys, values = self._kv(layer, pages)
             # each KV head's query heads as its rows: SDPA then needs no GQA expansion
             grouped = q.view(len(q), kv_heads, -1, q.shape[-1])
-            return attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec).reshape(q.shape)
+            grouped_sinks = None if sinks is None else sinks.view(kv_heads, -1, 1)
+            return attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec, sinks=grouped_sinks).reshape(q.shape)
         out, meta = torch.empty_like(q), plan.meta
         for i, pages in enumerate(plan.pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
@@ -123,7 +131,9 @@ class TorchAttention:
             if (i, window) not in self._masks:
                 self._masks[i, window] = None if causal else visible(q_len, kv_len, window, q.device)
             # 4-D, batch of one: torch routes 3-D GQA inputs to its slow unfused math kernel
-            out[rows] = attend(q[rows].transpose(0, 1)[None], keys, values, self._masks[i, window], spec, causal)[0].transpose(0, 1)
+            head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
+            attended = attend(q[rows].transpose(0, 1)[None], keys, values, self._masks[i, window], spec, causal, head_sinks)
+            out[rows] = attended[0].transpose(0, 1)
         return out
 
 

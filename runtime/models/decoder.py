@@ -25,7 +25,8 @@ from runtime.models.sharding import vocab_shard
 # checkpoint name part -> (our parameter name part, shard index)
 # checkpoint names -> these modules' names, by architecture: Mixtral's sparse MLP and its experts' projections
 CHECKPOINT_RENAMES = {
-    "MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+    "MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")),
+    "GptOssForCausalLM": ((".mlp.router.", ".mlp.gate."),),
 }
 STACKED = {
     "q_proj": ("qkv_proj", 0),
@@ -51,6 +52,8 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops)
         self.qk_norm, self.ops, self.eps = cfg.qk_norm, ops, cfg.rms_norm_eps
         self.windowed = bool(cfg.layer_windows) and cfg.layer_windows[layer] > 0  # its K and V live in the window pool
+        # GPT-OSS: a logit per head that joins each softmax (this rank's heads)
+        self.sinks = nn.Parameter(torch.empty(self.heads)) if cfg.attention_sinks else None
 
     def attend(self, qkv: torch.Tensor, rope: tuple[torch.Tensor, Any], batch: ForwardBatch, backend: AttentionBackend) -> torch.Tensor:
         """[T, heads · dim] before o_proj; the new K and V reach the pool first. rope: (positions, tables)."""
@@ -80,7 +83,7 @@ class Attention(nn.Module):
                 qk[:, : self.heads], qk[:, self.heads :] = self.q_norm(qk[:, : self.heads]), self.k_norm(qk[:, self.heads :])
             self.ops.rope(positions, qk, self.heads, rope_tables)
             backend.pool.write(self.layer, qkv[:, self.q_size :].view(tokens, 2, self.kv_heads, self.head_dim), rows)
-        return backend.forward(self.layer, qk[:, : self.heads], batch).reshape(tokens, self.q_size)
+        return backend.forward(self.layer, qk[:, : self.heads], batch, sinks=self.sinks).reshape(tokens, self.q_size)
 
 
 class MLP(nn.Module):

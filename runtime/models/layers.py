@@ -234,6 +234,16 @@ def rope_inv_freq(head_dim: int, rope: RopeConfig, divisors: tuple[float, ...] =
         inv_freq = inv_freq / torch.tensor(divisors, dtype=torch.float32)
     if rope.kind == "linear":  # positions divided by `factor` (Gemma 3's full layers)
         inv_freq = inv_freq / rope.factor
+    if rope.kind == "yarn":  # interpolated by `factor` below beta_slow rotations in the pretraining length, kept above beta_fast
+        low, high = (
+            head_dim * math.log(rope.original_max_position / (b * 2 * math.pi)) / (2 * math.log(rope.theta))
+            for b in (rope.beta_fast, rope.beta_slow)
+        )
+        if rope.truncate:
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, head_dim - 1)
+        ramp = ((torch.arange(head_dim // 2, dtype=torch.float32) - low) / ((high - low) or 0.001)).clamp(0, 1)
+        inv_freq = inv_freq / rope.factor * ramp + inv_freq * (1 - ramp)
     if rope.kind == "llama3":  # stretch low frequencies by `factor`, blend the band in between
         low_wavelen = rope.original_max_position / rope.low_freq_factor
         high_wavelen = rope.original_max_position / rope.high_freq_factor
@@ -255,7 +265,8 @@ def rope_cos_sin_cache(max_position: int, head_dim: int, rope: RopeConfig) -> Te
     positions = torch.arange(max_position, dtype=torch.int64).float()[:, None]
     if rope.kind != "longrope":
         freqs = positions * rope_inv_freq(head_dim, rope)[None, :]
-        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+        return cache * rope.attention_factor if rope.attention_factor != 1.0 else cache  # YaRN's
     switch = rope.original_max_position
     short, long = (rope_inv_freq(head_dim, rope, factors)[None, :] for factors in (rope.short_factor, rope.long_factor))
     freqs = torch.cat((positions[:switch] * short, positions[switch:] * long, positions * long))

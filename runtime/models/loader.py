@@ -20,6 +20,7 @@ from runtime.models.decoder import STACKED, DecoderForCausalLM
 from runtime.models.fp8 import SCALE_SUFFIX, dequantize_blockwise, quantize_per_channel, scale_name, use_fp8_linears
 from runtime.models.layers import select_fused_ops
 from runtime.models.moe import EXPERT_PARTS, Experts
+from runtime.models.mxfp4 import MXFP4_BLOCKS, MXFP4_SCALES, dequantize_mxfp4
 from runtime.models.registry import MODELS
 from runtime.models.sharding import read_shard
 
@@ -100,11 +101,13 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
         return None
 
     missing = {f"{name}#{i}" for name, sizes in shards.items() for i in range(len(sizes))}
-    stacked_experts = {f"{prefix}.{kind}" for prefix in experts for kind in ("gate_up_proj", "down_proj")}
+    # experts a checkpoint holds one by one (not stacked as the model holds them): each expert's parts are needed
+    apart = {prefix: module for prefix, module in experts.items() if not module.stacked}
+    stacked_experts = {f"{prefix}.{kind}" for prefix in apart for kind in ("gate_up_proj", "down_proj")}
     optional = set(model.optional_weights)
     missing |= set(params) - set(shards) - stacked_experts - shared - optional
     loaded: set[str] = set()
-    for prefix, module in experts.items():
+    for prefix, module in apart.items():
         missing |= {f"{prefix}.{e}.{part}.weight" for e in range(module.num_experts) for part in EXPERT_PARTS}
     files = sorted(model_dir.glob("*.safetensors"))
     if not files and model.shared_with_target:  # a draft head: maybe a pytorch_model.bin, whole or in shards
@@ -115,9 +118,13 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
     with torch.no_grad(), contextlib.ExitStack() as stack:
         handles = [_BinFile(file) if file.suffix == ".bin" else stack.enter_context(safe_open(str(file), framework="pt")) for file in files]
         # a quantized weight's block scales, wherever they sit (another file of the checkpoint may hold them)
-        scales = {name: f for f in handles for name in f.keys() if name.endswith(SCALE_SUFFIX)} if fp8 is not None else {}
+        suffix = MXFP4_SCALES if model.config.mxfp4 else SCALE_SUFFIX if fp8 is not None else None
+        scales = {name: f for f in handles for name in f.keys() if name.endswith(suffix)} if suffix else {}
 
         def read(name: str, f: Any) -> Any:
+            if name.endswith(MXFP4_BLOCKS):  # GPT-OSS's experts: e2m1 values and their power-of-two scales, as bf16 would hold them
+                scale = name.removesuffix(MXFP4_BLOCKS) + MXFP4_SCALES
+                return dequantize_mxfp4(f.get_tensor(name), scales[scale].get_tensor(scale)).transpose(1, 2)
             source = f.get_slice(name)
             if source.get_dtype() != "F8_E4M3":
                 return source
@@ -129,7 +136,7 @@ def _load_safetensors(model: DecoderForCausalLM, model_dir: Path, shard: Callabl
             for stored in f.keys():
                 if stored in scales:  # read with its weight (read), under the checkpoint's own name
                     continue
-                if (name := model.checkpoint_name(stored)) is None or name in shared:
+                if (name := model.checkpoint_name(stored.removesuffix(MXFP4_BLOCKS))) is None or name in shared:
                     continue
                 for part, source in _unfused(name, read(stored, f), model.config):
                     if (found := destination(part)) is not None:

@@ -1,12 +1,14 @@
-"""Qwen3-MoE's sparse block: a router picks top_k of num_experts SiLU-gated MLPs for each token and
-weighs their outputs by its softmax. The experts' weights are stacked, [experts, rows, cols]. Tokens
-are grouped by expert and each active expert runs one GEMM pair over its tokens; on CUDA, the fused
-kernels of runtime.kernels.triton.fused_moe do it without a host sync. Under tensor
-parallelism each rank holds every expert's slice of the intermediate dimension and the whole router;
-the decoder layer's all-reduce sums the ranks' partial outputs."""
+"""Qwen3-MoE's sparse block (Mixtral's and GPT-OSS's alike): a router picks top_k of num_experts gated MLPs
+for each token and weighs their outputs by its softmax. GPT-OSS adds biases to the router and the experts and
+gates with a clamped SwiGLU; its checkpoints stack each layer's experts as transformers does (Experts.stacked).
+The experts' weights are stacked, [experts, rows, cols]. Tokens are grouped by expert and each active expert
+runs one GEMM pair over its tokens; on CUDA, the fused kernels of runtime.kernels.triton.fused_moe do it without
+a host sync. Under tensor parallelism each rank holds every expert's slice of the intermediate dimension and
+the whole router; the decoder layer's all-reduce sums the ranks' partial outputs."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
@@ -30,15 +32,25 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
-class Experts(nn.Module):
-    """num_experts SiLU-gated MLPs: gate_up_proj [E, 2·I, H] (gate rows first) and down_proj [E, H, I],
-    as transformers stacks them."""
+def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """GPT-OSS's gate over [gate | up] rows: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    gate = gate.clamp(max=limit)
+    return (up.clamp(-limit, limit) + 1) * gate * torch.sigmoid(gate * alpha)
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+
+class Experts(nn.Module):
+    """num_experts gated MLPs: gate_up_proj [E, 2·I, H] (gate rows first) and down_proj [E, H, I], as transformers
+    stacks Qwen3-MoE's, with biases beside them where `biases` (GPT-OSS). A `stacked` checkpoint holds these
+    tensors whole (GPT-OSS's, converted as they load); others hold each expert's projections apart."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, biases: bool = False) -> None:
         super().__init__()
-        self.num_experts, self.intermediate = num_experts, intermediate
+        self.num_experts, self.intermediate, self.stacked = num_experts, intermediate, biases
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate)) if biases else None
+        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden)) if biases else None
 
     def slot(self, expert: int, part: str) -> torch.Tensor:
         """Where the checkpoint's experts.{expert}.{part}.weight goes (this rank's shard of it)."""
@@ -58,11 +70,13 @@ class Experts(nn.Module):
         rows = x[tokens]
         out = torch.empty_like(rows)
         start = 0
+        biases = self.gate_up_proj_bias, self.down_proj_bias
         for expert, count in enumerate(counts.tolist()):
             if count:
                 end = start + count
-                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert])
-                out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert])
+                gate_up_bias, down_bias = (None if b is None else b[expert] for b in biases)
+                gate_up = F.linear(rows[start:end], self.gate_up_proj[expert], gate_up_bias)
+                out[start:end] = F.linear(silu_and_mul(gate_up), self.down_proj[expert], down_bias)
                 start = end
         out *= weights.flatten()[order, None]
         return torch.zeros_like(x).index_add_(0, tokens, out), counts
@@ -79,20 +93,23 @@ class SparseMoe(nn.Module):
         moe = cfg.moe
         assert moe is not None
         self.top_k, self.renormalise, self.ops = moe.top_k, moe.norm_topk_prob, ops
-        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=False)
-        self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1])
+        self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=moe.biases)
+        self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1], moe.biases)
+        limit = moe.swiglu_limit
+        self.activation = ops.silu_and_mul if limit is None else functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=limit)
+        self.fused = ops.fused_moe if not moe.biases and limit is None else None  # the Triton kernels have neither
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normed rows -> this rank's partial output."""
         logits = self.gate(x)
-        if self.ops.fused_moe is not None and x.is_cuda:  # no host sync: CUDA graphs capture it
+        if self.fused is not None and x.is_cuda:  # no host sync: CUDA graphs capture it
             experts = self.experts
-            return self.ops.fused_moe(
+            return self.fused(
                 x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul, self.load
             )
         weights, ids = route(logits, self.top_k, self.renormalise)
-        out, counts = self.experts.grouped(x, weights, ids, self.ops.silu_and_mul)
+        out, counts = self.experts.grouped(x, weights, ids, self.activation)
         self.load += counts
         return out
 

@@ -5,11 +5,13 @@ from __future__ import annotations
 from runtime.models.decoder import DecoderForCausalLM
 from runtime.models.eagle import Eagle3Head, EagleHead
 from runtime.models.gemma import GemmaForCausalLM
+from runtime.models.gpt_oss import GptOssForCausalLM
 
 MODELS: dict[str, type[DecoderForCausalLM]] = {
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # its text model; the vision tower is not loaded
+    "GptOssForCausalLM": GptOssForCausalLM,
     "LlamaForCausalLM": DecoderForCausalLM,
     "MistralForCausalLM": DecoderForCausalLM,
     "MixtralForCausalLM": DecoderForCausalLM,

@@ -90,15 +90,16 @@ at::Tensor skinny_linear(const at::Tensor &x, const at::Tensor &weight, const st
 
 // Decode attention straight from the paged pool: q [B, H, D]; pool [pages, 2 (K, V), page slots, KV
 // heads, D]; pages [B, width], each sequence's pages in order; kv_lens [B]; window: the last tokens a row
-// sees (0: all); softcap: scores s become softcap·tanh(s/softcap) (0: as they are). Query heads g·G .. g·G+G-1
+// sees (0: all); softcap: scores s become softcap·tanh(s/softcap) (0: as they are); sinks [H]: a logit per head that
+// joins the softmax's sum (GPT-OSS; none: nothing joins). Query heads g·G .. g·G+G-1
 // share KV head g (Hugging Face's repeat_kv order). Work is split over (sequence, KV head) pairs, and a
 // thread takes the pairs of one sequence in one sweep over its rows: a slot's heads lie side by side,
 // so the sweep reads whole cache lines once (one pair at a time read each slot's lines three times
 // over with 3 KV heads, and ran no faster than gathering the pages for SDPA). Per sweep: every score,
 // the softmax, then the weighted sum of V.
 void attend(const float *q, const float *kv, const int64_t *pages, int64_t first, int64_t end, int64_t S, int64_t KVH,
-            int64_t G, int64_t D, int64_t g0, int64_t g1, float scale, float softcap, float *out, std::vector<float> &scores,
-            std::vector<const float *> &keys) {
+            int64_t G, int64_t D, int64_t g0, int64_t g1, float scale, float softcap, const float *sinks, float *out,
+            std::vector<float> &scores, std::vector<const float *> &keys) {
     using Vec = at::vec::Vectorized<float>;
     const int64_t heads = (g1 - g0) * G, row = KVH * D, L = end - first;
     keys.resize(L);  // tokens first..end-1's K rows (V rows lie S rows further): no division per token and head
@@ -127,9 +128,11 @@ void attend(const float *q, const float *kv, const int64_t *pages, int64_t first
     std::fill(out, out + heads * D, 0.f);
     for (int64_t h = 0; h < heads; h++) {
         float *s = scores.data() + h * L;
-        const float top = *std::max_element(s, s + L);
+        const float sink = sinks ? sinks[g0 * G + h] : -INFINITY;
+        const float top = std::max(*std::max_element(s, s + L), sink);
         at::vec::map([top](Vec v) { return (v - Vec(top)).exp_u20(); }, s, s, L);
-        const float norm = 1.f / at::vec::reduce_all<float>([](Vec a, Vec b) { return a + b; }, s, L);
+        const float sum = at::vec::reduce_all<float>([](Vec a, Vec b) { return a + b; }, s, L);
+        const float norm = 1.f / (sinks ? sum + std::exp(sink - top) : sum);
         at::vec::map([norm](Vec v) { return v * Vec(norm); }, s, s, L);
     }
     for (int64_t t = 0; t < L; t++) {
@@ -143,7 +146,8 @@ void attend(const float *q, const float *kv, const int64_t *pages, int64_t first
 }
 
 at::Tensor paged_decode_attention(const at::Tensor &q, const at::Tensor &pool, const at::Tensor &pages,
-                                  const at::Tensor &kv_lens, double scale, int64_t window, double softcap) {
+                                  const at::Tensor &kv_lens, double scale, int64_t window, double softcap,
+                                  const std::optional<at::Tensor> &sinks) {
     TORCH_CHECK(q.scalar_type() == at::kFloat && pool.scalar_type() == at::kFloat && pool.is_contiguous(),
                 "paged_decode_attention takes fp32 q and a contiguous fp32 pool");
     TORCH_CHECK(pages.scalar_type() == at::kLong && kv_lens.scalar_type() == at::kLong, "pages and kv_lens are int64");
@@ -152,6 +156,9 @@ at::Tensor paged_decode_attention(const at::Tensor &q, const at::Tensor &pool, c
     const int64_t S = pool.size(2), KVH = pool.size(3), width = pc.size(1);
     TORCH_CHECK(pool.size(4) == D && D % 8 == 0 && H % KVH == 0, "head sizes disagree, or D is not a multiple of 8");
     const int64_t *lens = lc.data_ptr<int64_t>();
+    const at::Tensor sc = sinks && sinks->defined() ? sinks->to(at::kFloat).contiguous() : at::Tensor();
+    TORCH_CHECK(!sc.defined() || sc.numel() == qc.size(1), "a sink a query head");
+    const float *sink = sc.defined() ? sc.data_ptr<float>() : nullptr;
     for (int64_t b = 0; b < B; b++) TORCH_CHECK(0 < lens[b] && lens[b] <= width * S, "a sequence's length does not fit its pages");
     at::Tensor out = at::empty_like(qc);
     const float *qp = qc.data_ptr<float>(), *kv = pool.data_ptr<float>();
@@ -163,8 +170,8 @@ at::Tensor paged_decode_attention(const at::Tensor &q, const at::Tensor &pool, c
         for (int64_t pair = begin; pair < end;) {
             const int64_t b = pair / KVH, g0 = pair % KVH, g1 = std::min(KVH, g0 + end - pair);
             const int64_t first = window > 0 ? std::max<int64_t>(0, lens[b] - window) : 0;
-            attend(qp + b * H * D, kv, page + b * width, first, lens[b], S, KVH, H / KVH, D, g0, g1, scale, softcap, op + b * H * D,
-                   scores, keys);
+            attend(qp + b * H * D, kv, page + b * width, first, lens[b], S, KVH, H / KVH, D, g0, g1, scale, softcap, sink,
+                   op + b * H * D, scores, keys);
             pair += g1 - g0;
         }
     });
@@ -235,7 +242,7 @@ at::Tensor silu_and_mul(const at::Tensor &gate_up) {
 
 TORCH_LIBRARY(ringllm_cpu, m) {
     m.def("skinny_linear(Tensor x, Tensor weight, Tensor? bias) -> Tensor");
-    m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor pages, Tensor kv_lens, float scale, int window=0, float softcap=0) -> Tensor");
+    m.def("paged_decode_attention(Tensor q, Tensor pool, Tensor pages, Tensor kv_lens, float scale, int window=0, float softcap=0, Tensor? sinks=None) -> Tensor");
     m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
     m.def("add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
     m.def("silu_and_mul(Tensor gate_up) -> Tensor");
