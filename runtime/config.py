@@ -85,6 +85,10 @@ class RopeConfig:
         return replace(config, factor=float(factor), short_factor=short, long_factor=long, attention_factor=float(attention))
 
 
+def _mscale_all_dim(raw: dict[str, Any]) -> float:
+    return float({**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}.get("mscale_all_dim") or 0.0)
+
+
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
@@ -104,10 +108,34 @@ class MoeConfig:
     biases: bool = False  # on the router and on each expert's projections
     swiglu_limit: float | None = None  # GPT-OSS: (clamp(up) + 1) · g · sigmoid(alpha · g), g = gate clamped above
     swiglu_alpha: float = 1.702
+    # DeepSeek-V3: sigmoid scores, experts chosen from the topk_group best of n_group groups by the scores plus a
+    # correction bias, weighted by the scores themselves times routed_scaling_factor; a shared MLP beside them
+    sigmoid_groups: tuple[int, int] | None = None  # (n_group, topk_group)
+    routed_scaling_factor: float = 1.0
+    shared_intermediate: int = 0
 
     def is_sparse(self, layer: int) -> bool:
         """Hugging Face's rule: every decoder_sparse_step-th layer, except the MLP-only ones."""
         return layer not in self.mlp_only_layers and (layer + 1) % self.decoder_sparse_step == 0
+
+
+@dataclass(frozen=True)
+class MlaConfig:
+    """DeepSeek's multi-head latent attention: q through a low rank (q_lora_rank; None: q_proj whole), K and V of every
+    head from one latent a token (kv_lora_rank, normed) and one roped key part shared by the heads (qk_rope_head_dim):
+    the KV cache holds those, not heads."""
+
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # the checkpoint's rope dims come in pairs (x0, x1), (x2, x3)...: reordered as they load
+
+    @property
+    def latent(self) -> int:
+        """A token's cached values: the latent and the roped key part."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -153,6 +181,7 @@ class ModelConfig:
     attention_softcap: float | None = None  # Gemma 2: each score s becomes cap · tanh(s / cap)
     final_softcap: float | None = None  # ... and each logit
     attention_sinks: bool = False  # GPT-OSS: a learned logit per head joins each softmax (runtime.attention.backend)
+    mla: MlaConfig | None = None  # DeepSeek-V3's multi-head latent attention
     moe: MoeConfig | None = None
     fp8: Fp8Config | None = None  # the checkpoint's projections are block-quantized FP8
     mxfp4: bool = False  # the checkpoint's experts are MXFP4 (GPT-OSS's): dequantized as they load (runtime.models.mxfp4)
@@ -179,6 +208,17 @@ class ModelConfig:
             )
         elif arch == "MixtralForCausalLM":  # every layer sparse, its top-k always renormalised
             moe = MoeConfig(experts, raw["num_experts_per_tok"], raw["intermediate_size"], norm_topk_prob=True)
+        elif arch == "DeepseekV3ForCausalLM":  # the first first_k_dense_replace layers dense
+            moe = MoeConfig(
+                raw["n_routed_experts"],
+                raw["num_experts_per_tok"],
+                raw["moe_intermediate_size"],
+                norm_topk_prob=raw.get("norm_topk_prob", True),
+                mlp_only_layers=tuple(range(raw.get("first_k_dense_replace", 0))),
+                sigmoid_groups=(raw.get("n_group") or 1, raw.get("topk_group") or 1),
+                routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)),
+                shared_intermediate=raw["moe_intermediate_size"] * (raw.get("n_shared_experts") or 0),
+            )
         elif arch == "GptOssForCausalLM":  # every layer sparse; a softmax over the top-k logits is the renormalised one
             moe = MoeConfig(
                 experts,
@@ -192,6 +232,21 @@ class ModelConfig:
         max_position = raw.get("max_position_embeddings", 4096)
         gemma = arch in GEMMA_ARCHITECTURES
         quant = raw.get("quantization_config")
+        mla = None
+        scale = float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None
+        if arch == "DeepseekV3ForCausalLM":
+            mla = MlaConfig(
+                raw.get("q_lora_rank"),
+                raw["kv_lora_rank"],
+                raw["qk_nope_head_dim"],
+                raw["qk_rope_head_dim"],
+                raw["v_head_dim"],
+                raw.get("rope_interleave", True),
+            )
+            # as transformers: a YaRN rope with mscale_all_dim scales the softmax by its mscale, squared
+            all_dim = _mscale_all_dim(raw)
+            mscale = _yarn_mscale(rope.factor, all_dim) if rope.kind == "yarn" and all_dim else 1.0
+            scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * mscale * mscale
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -210,7 +265,8 @@ class ModelConfig:
             rope=rope,
             local_rope=local_rope,
             layer_windows=_layer_windows(raw, arch, max_position),
-            attention_scale=float(raw["query_pre_attn_scalar"]) ** -0.5 if gemma else None,
+            attention_scale=scale,
+            mla=mla,
             attention_softcap=raw.get("attn_logit_softcapping") if gemma else None,
             final_softcap=raw.get("final_logit_softcapping") if gemma else None,
             attention_sinks=arch == "GptOssForCausalLM",
@@ -231,6 +287,21 @@ class ModelConfig:
         if not generation.exists():
             return config
         return replace(config, eos_token_ids=tuple(dict.fromkeys(config.eos_token_ids + eos_ids(json.loads(generation.read_text())))))
+
+    @property
+    def kv_cache_heads(self) -> int:
+        """A token's KV heads in the pool (MLA's latent is one)."""
+        return 1 if self.mla is not None else self.num_kv_heads
+
+    @property
+    def kv_cache_dim(self) -> int:
+        """Each cached head's K (and V) width: MLA's latent is split in two, its first half in K's place, the rest in V's."""
+        return self.mla.latent // 2 if self.mla is not None else self.head_dim
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims a head's rope rotates (MLA: its roped part)."""
+        return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
 
     @property
     def window(self) -> int:

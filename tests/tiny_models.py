@@ -23,8 +23,35 @@ SHAPE = dict(
 )
 
 
+DEEPSEEK_V3 = dict(
+    num_hidden_layers=3,
+    num_key_value_heads=4,
+    first_k_dense_replace=1,
+    q_lora_rank=32,
+    kv_lora_rank=32,
+    qk_nope_head_dim=16,
+    qk_rope_head_dim=8,
+    v_head_dim=16,
+    moe_intermediate_size=32,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=4,
+    topk_group=2,
+    rope_parameters={
+        "rope_type": "yarn",
+        "rope_theta": 10000.0,
+        "factor": 4.0,
+        "original_max_position_embeddings": 128,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+    },
+)
+
+
 def _configs():
     from transformers import (
+        DeepseekV3Config,
         Gemma2Config,
         Gemma3TextConfig,
         GptOssConfig,
@@ -81,6 +108,11 @@ def _configs():
             Qwen3MoeConfig,
             dict(head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
         ),
+        # MLA (q through a rank of 32, a latent of 32 and 8 roped dims, interleaved in the checkpoint), YaRN with mscale;
+        # layer 0 dense, then 8 experts in 4 groups (top 2 of the best 2 groups) beside a shared one
+        "deepseek_v3": (DeepseekV3Config, DEEPSEEK_V3),
+        # the same with q projected whole and its rope dims in halves
+        "deepseek_v3_q_whole": (DeepseekV3Config, {**DEEPSEEK_V3, "q_lora_rank": None, "rope_interleave": False}),
         # 4 experts of the layer's intermediate size, top 2 renormalised; checkpoint names of its own
         "mixtral": (MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=48, sliding_window=None)),
         # 6 experts, top 3 as the softmax gives them; layers 1 sparse, 0 and 2 dense by the step, 3 dense by name
@@ -102,7 +134,7 @@ def _configs():
 
 ARCHITECTURES = ("llama", "qwen2", "qwen3", "mistral", "phi3")
 WINDOWED_ARCHITECTURES = ("gemma3", "gemma2", "mistral_window", "gpt_oss")
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen3_moe_mixed", "mixtral", "deepseek_v3", "deepseek_v3_q_whole")
 
 
 def build(name: str, folder: Path, **overrides) -> Path:
@@ -112,7 +144,7 @@ def build(name: str, folder: Path, **overrides) -> Path:
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config_cls(**{**SHAPE, **extra, **overrides}))
     with torch.no_grad():  # Gemma's norms, GPT-OSS's sinks and biases start at 0: move them, or a misread goes unseen
-        for name, param in model.named_parameters():
+        for name, param in [*model.named_parameters(), *model.named_buffers()]:  # DeepSeek's router bias is a buffer
             if name.endswith(("norm.weight", "sinks")) or (name.endswith("bias") and name.startswith("model.layers")):
                 if not param.any():
                     param.normal_(0.0, 0.3)

@@ -19,17 +19,21 @@ from runtime.kernels.rope import Rope
 class AttentionSpec:
     """What a model asks of attention beyond causal softmax(q·kᵀ)·v: the softmax's scale, a cap on the scores
     (Gemma 2: s becomes softcap · tanh(s / softcap)), each layer's sliding window (a query sees its last
-    `window` positions, itself included; 0: all of them), and sinks (GPT-OSS: each head's learned logit joins
-    the softmax's sum and takes its share of the weight, the layer's `sinks` handed to forward)."""
+    `window` positions, itself included; 0: all of them), sinks (GPT-OSS: each head's learned logit joins
+    the softmax's sum and takes its share of the weight, the layer's `sinks` handed to forward), and a latent
+    (MLA: the pool's one head holds each token's latent, its K half and V half side by side; the keys are the
+    whole of it, the values its first `latent` values)."""
 
     scale: float
     softcap: float | None = None
     windows: tuple[int, ...] = ()
     sinks: bool = False
+    latent: int = 0
 
     @classmethod
     def of(cls, cfg: ModelConfig) -> AttentionSpec:
-        return cls(cfg.attention_scale or cfg.head_dim**-0.5, cfg.attention_softcap, cfg.layer_windows, cfg.attention_sinks)
+        latent = cfg.mla.kv_lora_rank if cfg.mla is not None else 0
+        return cls(cfg.attention_scale or cfg.head_dim**-0.5, cfg.attention_softcap, cfg.layer_windows, cfg.attention_sinks, latent)
 
     def window(self, layer: int) -> int:
         return self.windows[layer] if self.windows else 0

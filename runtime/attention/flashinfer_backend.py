@@ -51,6 +51,8 @@ class FlashInferAttention:
 
         if spec.sinks:  # in flashinfer 0.6 only its Blackwell (trtllm-gen) kernels take sinks
             raise ValueError("attention sinks (GPT-OSS) are not in flashinfer's Hopper kernels: serve with --attention-backend torch")
+        if spec.latent:
+            raise ValueError("multi-head latent attention (DeepSeek) runs on the torch backend for now: --attention-backend torch")
 
         self.flashinfer, self.pool, self.num_heads, self.spec = flashinfer, pool, num_heads, spec
         self.backend = "auto"

@@ -58,7 +58,8 @@ class TorchAttention:
         """`deterministic`: every row, a prompt's too, attends as a decode row (ringllm's paged decode
         kernel over its own prefix), so a row's output is the same whatever shares its step."""
         self.pool = pool
-        self.in_place = pool.device.type == "cpu" and pool.dtype == torch.float32 and cpu_kernels.available()
+        # ringllm's kernel reads K and V of one width (not MLA's latent)
+        self.in_place = pool.device.type == "cpu" and pool.dtype == torch.float32 and not spec.latent and cpu_kernels.available()
         if deterministic and not self.in_place:
             raise ValueError("deterministic inference on the torch backend needs a float32 CPU pool and ringllm's CPU kernels")
         self.deterministic, self.spec = deterministic, spec
@@ -104,6 +105,9 @@ class TorchAttention:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
         shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
         keys, values = self.pool.gather(layer, pages.flatten())
+        if self.spec.latent:  # MLA: the latent is both halves; the values its first part
+            whole = torch.cat([keys, values], dim=-1).view(*shape[:-1], 2 * self.pool.head_dim)
+            return whole, whole[..., : self.spec.latent]
         return keys.view(shape), values.view(shape)
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, sinks: Tensor | None = None) -> Tensor:
@@ -120,8 +124,9 @@ class TorchAttention:
             # each KV head's query heads as its rows: SDPA then needs no GQA expansion
             grouped = q.view(len(q), kv_heads, -1, q.shape[-1])
             grouped_sinks = None if sinks is None else sinks.view(kv_heads, -1, 1)
-            return attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec, sinks=grouped_sinks).reshape(q.shape)
-        out, meta = torch.empty_like(q), plan.meta
+            attended = attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec, sinks=grouped_sinks)
+            return attended.reshape(len(q), q.shape[1], -1)
+        out, meta = q.new_empty(*q.shape[:2], spec.latent or q.shape[-1]), plan.meta
         for i, pages in enumerate(plan.pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
             q_len, kv_len = rows.stop - rows.start, int(meta.kv_lens[i])

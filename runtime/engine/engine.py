@@ -324,11 +324,11 @@ class Engine:
         """The KV pool (in `kv_memory` where given) and its host tier (in `host_memory`), the attention backend
         over the pool, and the per-slot state that indexes it: page table, lengths, last tokens, grammars."""
         cfg, config, tp = self.model_config, self.config, self.tp
-        self.kv_heads = tp.split(cfg.num_kv_heads)[1]
+        self.kv_heads = tp.split(cfg.kv_cache_heads)[1]
         self.num_pages = tp.min(self._pool_pages())  # the scheduler's one page table serves every rank
         self.scratch_page = self.num_pages  # one page past the scheduler's: padding rows of CUDA graphs write here
         scales = kv_scales(model_dir, cfg.num_layers) if config.fp8_kv and not config.dummy_weights else None
-        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        page_bytes = KVPool.bytes_per_page(cfg.num_layers, config.page_size, self.kv_heads, cfg.kv_cache_dim, self.kv_dtype)
         # a sliding-window layer's pages are the window pool's (runtime.scheduler.window_pages), each with its scratch page;
         # window_of: the window page the scheduler paired with each page (-1: none)
         self.window_of: np.ndarray | None = None
@@ -338,13 +338,13 @@ class Engine:
             layer_pages = [window_pages + 1 if window else self.num_pages + 1 for window in cfg.layer_windows]
             self.window_of = np.full(self.num_pages + 1, -1, dtype=np.int64)
             self.window_of[self.scratch_page] = window_pages
-        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.kv_cache_dim, self.kv_dtype)
         self.pool = KVPool(
             cfg.num_layers,
             self.num_pages + 1,
             config.page_size,
             self.kv_heads,
-            cfg.head_dim,
+            cfg.kv_cache_dim,
             self.kv_dtype,
             self.device,
             self.dtype,
@@ -489,7 +489,7 @@ class Engine:
             budget -= torch.cuda.memory_allocated(self.device) + STANDBY_HEADROOM_BYTES
         # a page's bytes in every full layer, and in each sliding-window layer the window pool's share of a page
         windowed = sum(1 for window in cfg.layer_windows if window)
-        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.head_dim, self.kv_dtype)
+        layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.kv_cache_dim, self.kv_dtype)
         page_bytes = int(layer_bytes * (cfg.num_layers - windowed + windowed * config.swa_full_tokens_ratio))
         draft_weights, draft_page = self.draft_cost()  # a draft model's engine takes its share of the same budget
         budget -= draft_weights

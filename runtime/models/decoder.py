@@ -19,6 +19,7 @@ from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.kernels.rope import Rope
 from runtime.models.layers import NO_FUSION, FusedOps, OneRowFusion, RMSNorm, norm_then_linear, rope_cos_sin_cache
+from runtime.models.mla import MlaAttention
 from runtime.models.moe import SparseMoe
 from runtime.models.sharding import vocab_shard
 
@@ -27,9 +28,12 @@ from runtime.models.sharding import vocab_shard
 CHECKPOINT_RENAMES = {
     "MixtralForCausalLM": ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj.")),
     "GptOssForCausalLM": ((".mlp.router.", ".mlp.gate."),),
+    "DeepseekV3ForCausalLM": ((".mlp.gate.e_score_correction_bias", ".mlp.e_score_correction_bias"),),
 }
 STACKED = {
     "q_proj": ("qkv_proj", 0),
+    "q_a_proj": ("qkv_proj", 0),  # MLA's projections of the normed rows: q's (low-rank or whole) and the latent's
+    "kv_a_proj_with_mqa": ("qkv_proj", 1),
     "k_proj": ("qkv_proj", 1),
     "v_proj": ("qkv_proj", 2),
     "gate_proj": ("gate_up_proj", 0),
@@ -87,13 +91,18 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
+    def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel, intermediate_size: int | None = None) -> None:
+        """`intermediate_size`: where not the config's (DeepSeek-V3's shared experts)."""
         super().__init__()
-        intermediate = tp.split(cfg.intermediate_size)[1]
+        intermediate = tp.split(intermediate_size or cfg.intermediate_size)[1]
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * intermediate, bias=False)
         self.gate_up_proj.shard_sizes = (intermediate, intermediate)  # pyright: ignore[reportArgumentType]  # see Attention
         self.down_proj = nn.Linear(intermediate, cfg.hidden_size, bias=False)
         self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output for normed rows."""
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: OneRowFusion
@@ -131,8 +140,10 @@ class DecoderLayer(nn.Module):
 
     def __init__(self, cfg: ModelConfig, layer: int, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, layer, ops, tp)
+        self.self_attn = MlaAttention(cfg, layer, ops, tp) if cfg.mla is not None else Attention(cfg, layer, ops, tp)
         self.mlp = SparseMoe(cfg, ops, tp) if cfg.moe is not None and cfg.moe.is_sparse(layer) else MLP(cfg, ops, tp)
+        if isinstance(self.mlp, SparseMoe) and cfg.moe is not None and cfg.moe.shared_intermediate:
+            self.mlp.shared_experts = MLP(cfg, ops, tp, cfg.moe.shared_intermediate)
         self.tp = tp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)
@@ -194,7 +205,7 @@ class DecoderForCausalLM(nn.Module):
     def make_rope_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         """The rope tables (and the sliding-window layers' own, where they differ), in the kernels' dtype."""
         cfg = self.config
-        caches = [rope_cos_sin_cache(cfg.max_position, cfg.head_dim, rope) for rope in (cfg.rope, cfg.local_rope) if rope is not None]
+        caches = [rope_cos_sin_cache(cfg.max_position, cfg.rope_dim, rope) for rope in (cfg.rope, cfg.local_rope) if rope is not None]
         self.rope_caches = [cache.to(device=device, dtype=torch.float32 if self.rope_cache_fp32 else dtype) for cache in caches]
         self.rope_cache = self.rope_caches[0]
         # each layer's table: the second for a windowed layer, where there is one

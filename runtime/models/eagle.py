@@ -22,7 +22,7 @@ from runtime.attention.backend import AttentionBackend
 from runtime.batch import ForwardBatch
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
-from runtime.models.decoder import DecoderForCausalLM, DecoderLayer
+from runtime.models.decoder import Attention, DecoderForCausalLM, DecoderLayer
 from runtime.models.layers import NO_FUSION, FusedOps, RMSNorm
 
 
@@ -67,6 +67,7 @@ class Eagle3Layer(DecoderLayer):
     def __init__(self, cfg: ModelConfig, ops: FusedOps, tp: TensorParallel) -> None:
         super().__init__(cfg, 0, ops, tp)
         attn = self.self_attn
+        assert isinstance(attn, Attention)  # a draft head's attention is plain
         attn.qkv_proj = nn.Linear(2 * cfg.hidden_size, attn.q_size + 2 * attn.kv_size, bias=cfg.attention_bias)
         attn.qkv_proj.shard_sizes = (attn.q_size, attn.kv_size, attn.kv_size)  # pyright: ignore[reportArgumentType]  # see Attention
         self.hidden_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops)

@@ -32,6 +32,24 @@ def route(logits: torch.Tensor, top_k: int, renormalise: bool) -> tuple[torch.Te
     return weights.to(logits.dtype), ids
 
 
+def route_groups(
+    logits: torch.Tensor, correction: torch.Tensor, top_k: int, groups: tuple[int, int], renormalise: bool, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V3's routing, as transformers runs it: sigmoid scores; with the correction bias added, each of the n_group
+    groups is rated by its best two, the topk_group best groups kept, and the top_k experts chosen among them; each is
+    weighted by its score (renormalised over the chosen when asked) times `scale`."""
+    n_group, topk_group = groups
+    scores = logits.float().sigmoid()
+    choice = scores + correction.float()
+    rated = choice.unflatten(-1, (n_group, -1)).topk(2, dim=-1).values.sum(-1)
+    kept = torch.zeros_like(rated, dtype=torch.bool).scatter_(1, rated.topk(topk_group, dim=-1).indices, True)
+    ids = choice.masked_fill(~kept.repeat_interleave(choice.shape[-1] // n_group, dim=1), float("-inf")).topk(top_k, dim=-1).indices
+    weights = scores.gather(1, ids)
+    if renormalise:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return (weights * scale).to(logits.dtype), ids
+
+
 def clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
     """GPT-OSS's gate over [gate | up] rows: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g), g = min(gate, limit)."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -92,12 +110,16 @@ class SparseMoe(nn.Module):
         super().__init__()
         moe = cfg.moe
         assert moe is not None
-        self.top_k, self.renormalise, self.ops = moe.top_k, moe.norm_topk_prob, ops
+        self.top_k, self.renormalise, self.ops, self.moe = moe.top_k, moe.norm_topk_prob, ops, moe
         self.gate = nn.Linear(cfg.hidden_size, moe.num_experts, bias=moe.biases)
+        # DeepSeek-V3's correction of the scores that choose experts (its checkpoints' gate.e_score_correction_bias)
+        self.e_score_correction_bias = nn.Parameter(torch.zeros(moe.num_experts)) if moe.sigmoid_groups is not None else None
+        self.shared_experts: nn.Module | None = None  # DeepSeek-V3's dense MLP beside the experts (the decoder layer's)
         self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1], moe.biases)
         limit = moe.swiglu_limit
         self.activation = ops.silu_and_mul if limit is None else functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=limit)
-        self.fused = ops.fused_moe if not moe.biases and limit is None else None  # the Triton kernels have neither
+        plain = not moe.biases and limit is None and moe.sigmoid_groups is None
+        self.fused = ops.fused_moe if plain else None  # the Triton kernels route by softmax, with no bias, SiLU
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -108,10 +130,14 @@ class SparseMoe(nn.Module):
             return self.fused(
                 x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul, self.load
             )
-        weights, ids = route(logits, self.top_k, self.renormalise)
+        moe = self.moe
+        if moe.sigmoid_groups is not None and (correction := self.e_score_correction_bias) is not None:
+            weights, ids = route_groups(logits, correction, self.top_k, moe.sigmoid_groups, self.renormalise, moe.routed_scaling_factor)
+        else:
+            weights, ids = route(logits, self.top_k, self.renormalise)
         out, counts = self.experts.grouped(x, weights, ids, self.activation)
         self.load += counts
-        return out
+        return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def forward_normed(
         self, h: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, fused: OneRowFusion

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 from runtime.models.decoder import DecoderForCausalLM
+from runtime.models.deepseek import DeepseekV3ForCausalLM
 from runtime.models.eagle import Eagle3Head, EagleHead
 from runtime.models.gemma import GemmaForCausalLM
 from runtime.models.gpt_oss import GptOssForCausalLM
 
 MODELS: dict[str, type[DecoderForCausalLM]] = {
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,  # DeepSeek-V3 and R1
     "Gemma2ForCausalLM": GemmaForCausalLM,
     "Gemma3ForCausalLM": GemmaForCausalLM,
     "Gemma3ForConditionalGeneration": GemmaForCausalLM,  # its text model; the vision tower is not loaded
