@@ -16,7 +16,7 @@ from runtime.attention.backend import AttentionBackend
 from runtime.batch import ForwardBatch, rows_of
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
-from runtime.models.layers import FusedOps, RMSNorm
+from runtime.models.layers import FusedOps, RMSNorm, torch_rope, torch_rope_tables
 
 
 class MlaAttention(nn.Module):
@@ -47,9 +47,10 @@ class MlaAttention(nn.Module):
         if mla.q_lora_rank is not None:
             q = self.q_b_proj(self.q_a_layernorm(q))
         q_nope, q_rope = q.view(tokens, self.heads, -1).split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        # the heads' roped parts and the shared one, rotated together
+        # the heads' roped parts and the shared one, rotated together (by the reference rope: on CUDA `tables` is the
+        # whole fp32 cache, which the CUDA rope kernels index themselves)
         roped = torch.cat([q_rope, latent[:, None, mla.kv_lora_rank :]], dim=1)
-        self.ops.rope(positions, roped, self.heads, tables)
+        torch_rope(positions, roped, self.heads, tables if isinstance(tables, tuple) else torch_rope_tables(positions, tables))
         cached = torch.cat([self.kv_a_layernorm(latent[:, : mla.kv_lora_rank]), roped[:, self.heads]], dim=-1)
         backend.pool.write(self.layer, cached.view(tokens, 2, 1, -1), rows_of(batch.kv_rows, False))
         w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, mla.kv_lora_rank).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
