@@ -42,9 +42,16 @@ class Shape:
     @classmethod
     def of(cls, cfg: ModelConfig) -> Shape:
         attention = cfg.hidden_size * cfg.head_dim * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)
+        kv_token = 2 * cfg.num_kv_heads * cfg.head_dim  # a token's cached values a layer
+        if (mla := cfg.mla) is not None:  # q through its rank, the latent, kv_b_proj, o_proj; one latent a token
+            qk, heads = mla.qk_nope_head_dim + mla.qk_rope_head_dim, cfg.num_heads
+            q = cfg.hidden_size * mla.q_lora_rank + mla.q_lora_rank * heads * qk if mla.q_lora_rank else cfg.hidden_size * heads * qk
+            kv = cfg.hidden_size * mla.latent + mla.kv_lora_rank * heads * (mla.qk_nope_head_dim + mla.v_head_dim)
+            attention, kv_token = q + kv + heads * mla.v_head_dim * cfg.hidden_size, mla.latent
         moe = cfg.moe
         sparse = sum(moe.is_sparse(layer) for layer in range(cfg.num_layers)) if moe else 0
         dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size * (cfg.num_layers - sparse)
+        dense_mlp += 3 * cfg.hidden_size * moe.shared_intermediate * sparse if moe else 0  # DeepSeek's shared experts
         router = cfg.hidden_size * moe.num_experts * sparse if moe else 0
         windowed = sum(1 for window in cfg.layer_windows if window)
         return cls(
@@ -54,8 +61,8 @@ class Shape:
             sparse_layers=sparse,
             experts=moe.num_experts if moe else 0,
             top_k=moe.top_k if moe else 0,
-            kv_values=2 * (cfg.num_layers - windowed) * cfg.num_kv_heads * cfg.head_dim,
-            window_kv_values=2 * windowed * cfg.num_kv_heads * cfg.head_dim,
+            kv_values=(cfg.num_layers - windowed) * kv_token,
+            window_kv_values=windowed * kv_token,
             window=cfg.window,
         )
 
