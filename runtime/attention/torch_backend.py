@@ -104,10 +104,12 @@ class TorchAttention:
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
         shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
-        keys, values = self.pool.gather(layer, pages.flatten())
-        if self.spec.latent:  # MLA: the latent is both halves; the values its first part
-            whole = torch.cat([keys, values], dim=-1).view(*shape[:-1], 2 * self.pool.head_dim)
+        if self.spec.latent:  # MLA: a page's K and V halves are its tokens' latents (runtime.models.mla); values their first part
+            pool = self.pool
+            layer_pages = pool.kv[layer].view(len(pool.kv[layer]), pool.page_size, -1)
+            whole = layer_pages.index_select(0, pages.flatten()).view(*pages.shape[:-1], -1, 1, layer_pages.shape[-1])
             return whole, whole[..., : self.spec.latent]
+        keys, values = self.pool.gather(layer, pages.flatten())
         return keys.view(shape), values.view(shape)
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, sinks: Tensor | None = None) -> Tensor:

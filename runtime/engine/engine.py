@@ -312,6 +312,8 @@ class Engine:
         self.kv_dtype = torch.float8_e4m3fn if config.fp8_kv else self.dtype
         if config.deterministic and (cfg.moe is not None or cfg.fp8 is not None):  # expert GEMMs take rows by routing; FP8 scales span rows
             raise ValueError("deterministic inference serves dense, unquantized checkpoints")
+        if cfg.mla is not None and config.fp8_kv:
+            raise ValueError("multi-head latent attention keeps its latents in the model's dtype (--kv-cache-dtype auto)")
         if cfg.window and (config.hierarchical_cache or config.speculative_algorithm in MODEL_DRAFTS):
             raise ValueError("models with sliding windows run without --enable-hierarchical-cache and without draft models (NGRAM drafts)")
         self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
@@ -383,9 +385,9 @@ class Engine:
 
     def _graph_limits(self) -> tuple[int, int]:
         """(the largest decode batch, the most prefill tokens) that CUDA graphs capture, 0 for none.
-        Graphs are captured on CUDA under the flashinfer backend only."""
+        Graphs are captured on CUDA under the flashinfer backend only, and not for MLA (its steps run eager)."""
         config = self.config
-        if self.device.type != "cuda" or config.attention_backend != "flashinfer":
+        if self.device.type != "cuda" or config.attention_backend != "flashinfer" or self.model_config.mla is not None:
             return 0, 0
         return min(config.cuda_graph_max_bs, config.max_running_requests), config.cuda_graph_max_prefill_tokens
 

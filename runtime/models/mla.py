@@ -13,10 +13,22 @@ import torch
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
-from runtime.batch import ForwardBatch, rows_of
+from runtime.attention.pool import KVPool
+from runtime.batch import ForwardBatch
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.models.layers import FusedOps, RMSNorm, torch_rope, torch_rope_tables
+
+
+def latents(pool: KVPool, layer: int) -> torch.Tensor:
+    """The layer's latents, [page · slot, latent]: row page · page_size + slot is that token's."""
+    return pool.kv[layer].view(-1, 2 * pool.num_kv_heads * pool.head_dim)
+
+
+def token_rows(batch: ForwardBatch, page_size: int) -> torch.Tensor:
+    """Each new token's row of `latents`, from its K row of the pool (page · 2 · page_size + slot)."""
+    k = batch.kv_rows[:, 0]
+    return k - (k // (2 * page_size)) * page_size
 
 
 class MlaAttention(nn.Module):
@@ -52,7 +64,7 @@ class MlaAttention(nn.Module):
         roped = torch.cat([q_rope, latent[:, None, mla.kv_lora_rank :]], dim=1)
         torch_rope(positions, roped, self.heads, tables if isinstance(tables, tuple) else torch_rope_tables(positions, tables))
         cached = torch.cat([self.kv_a_layernorm(latent[:, : mla.kv_lora_rank]), roped[:, self.heads]], dim=-1)
-        backend.pool.write(self.layer, cached.view(tokens, 2, 1, -1), rows_of(batch.kv_rows, False))
+        latents(backend.pool, self.layer)[token_rows(batch, backend.pool.page_size)] = cached
         w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, mla.kv_lora_rank).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), roped[:, : self.heads]], dim=-1)
         attended = backend.forward(self.layer, query, batch)  # [T, heads, kv_lora_rank]: weights over the latents

@@ -418,7 +418,8 @@ class Scheduler:
             pages = self.allocator.alloc(needed)
             assert pages is not None and request.slot is not None  # _reserve made room; a request grows while it runs
             if self.windows is not None:
-                assert self.windows.assign(pages)  # so it did in the window pool
+                paired = self.windows.assign(pages)
+                assert paired  # so it did in the window pool
             request.pages += pages
             plan.pages.append((request.slot, pages))
         return True
