@@ -51,6 +51,8 @@ class FlashInferAttention:
 
         if spec.sinks:  # in flashinfer 0.6 only its Blackwell (trtllm-gen) kernels take sinks
             raise ValueError("attention sinks (GPT-OSS) are not in flashinfer's Hopper kernels: serve with --attention-backend torch")
+        if spec.latent:  # its MLA kernel disagreed with the torch backend's over chunked prefill (benchmarks/results)
+            raise ValueError("multi-head latent attention (DeepSeek) runs on the torch backend for now: --attention-backend torch")
 
         self.flashinfer, self.pool, self.num_heads, self.spec = flashinfer, pool, num_heads, spec
         self.backend = "auto"
@@ -66,8 +68,6 @@ class FlashInferAttention:
             else self._windows(lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
         )
         self.deterministic = deterministic
-        # MLA (spec.latent): flashinfer's MLA kernel over the latents, eager (no graphs: Engine._graph_limits)
-        self.mla = flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace) if spec.latent else None
         # the wrappers the next forward runs: flashinfer's, or a graph's (Windows or ringllm's); each has its own plan
         self.active: Windows | TritonDecode = self.prefill
         try:
@@ -145,10 +145,6 @@ class FlashInferAttention:
         """Plans `wrapper` (a graph's), else the step's own: decode for a decode-only step, else prefill.
         `copies` (pinned host -> device, the caller's step inputs) go in one kernel with the plan's own,
         and a prepare that rewrites their sources waits for them (wait_for_sent)."""
-        if self.mla is not None:
-            assert wrapper is None and not copies  # MLA steps run eager
-            self._plan_mla(self.mla, meta)
-            return
         active = wrapper or (self.decode if meta.decode_only else self.prefill)
         assert isinstance(active, Windows | TritonDecode)  # this backend's graph wrappers are its own
         self.active = active
@@ -175,21 +171,6 @@ class FlashInferAttention:
     def _wait(self, area: int) -> None:
         if (sent := self._sent.get(area)) is not None:
             sent.synchronize()
-
-    def _plan_mla(self, mla: Any, meta: AttentionMeta) -> None:
-        pool, latent, device = self.pool, self.spec.latent, self.pool.device
-        as_device = lambda array: torch.from_numpy(array).to(device, non_blocking=True)  # noqa: E731
-        mla.plan(
-            *(as_device(a) for a in (meta.qo_indptr, meta.kv_indptr, meta.kv_indices, meta.kv_lens)),
-            self.num_heads,
-            latent,
-            2 * pool.head_dim - latent,  # the roped part
-            pool.page_size,
-            True,
-            self.spec.scale,
-            pool.compute_dtype,
-            pool.dtype,
-        )
 
     def _plan_flashinfer(self, wrapper: Any, meta: AttentionMeta, window: int) -> None:
         pool, spec = self.pool, self.spec
@@ -230,9 +211,6 @@ class FlashInferAttention:
         return isinstance(self.active, TritonDecode) and self.active.rotates
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None, sinks: Tensor | None = None) -> Tensor:
-        if self.mla is not None:  # q: [T, heads, latent + roped part] -> [T, heads, latent]
-            latent, pages = self.spec.latent, self.pool.kv[layer].view(len(self.pool.kv[layer]), self.pool.page_size, -1)
-            return self.mla.run(q[..., :latent].contiguous(), q[..., latent:].contiguous(), pages[..., :latent], pages[..., latent:])
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
         out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
         scales: dict[str, Any] = {}

@@ -385,9 +385,9 @@ class Engine:
 
     def _graph_limits(self) -> tuple[int, int]:
         """(the largest decode batch, the most prefill tokens) that CUDA graphs capture, 0 for none.
-        Graphs are captured on CUDA under the flashinfer backend only, and not for MLA (its steps run eager)."""
+        Graphs are captured on CUDA under the flashinfer backend only."""
         config = self.config
-        if self.device.type != "cuda" or config.attention_backend != "flashinfer" or self.model_config.mla is not None:
+        if self.device.type != "cuda" or config.attention_backend != "flashinfer":
             return 0, 0
         return min(config.cuda_graph_max_bs, config.max_running_requests), config.cuda_graph_max_prefill_tokens
 
