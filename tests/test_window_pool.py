@@ -10,6 +10,7 @@ from runtime import LLM, SamplingParams
 from runtime.config import EngineConfig
 from runtime.scheduler.scheduler import Request, Scheduler
 from runtime.scheduler.window_pages import WindowPages
+from runtime.step import Sampled
 from tests.test_parity import CHUNK_BUDGET, LOGPROB_TOLERANCE, NEW_TOKENS, divergence, greedy_matches, prompts_for, reference
 
 WINDOW = 16  # tests.tiny_models' gemma3
@@ -102,3 +103,32 @@ def test_the_scheduler_gives_back_what_falls_out_of_the_window():
 def test_windows_refuse_the_host_tier(tiny_model):
     with pytest.raises(ValueError, match="sliding windows"):
         LLM(tiny_model("gemma3"), dtype="float32", hierarchical_cache=True)
+
+
+def drive(scheduler: Scheduler) -> int:
+    """Plans until nothing is left, each answered at once with token 5 for every row that samples; returns plans run."""
+    plans = 0
+    while scheduler.has_work():
+        plan = scheduler.schedule()
+        plans += 1
+        assert plans < 200, "the scheduler makes no progress"
+        sampled = [Sampled(chunk.slot, 5, None) for chunk in plan.chunks if chunk.sample] + [
+            Sampled(slot, 5, None) for slot in plan.decodes
+        ]
+        scheduler.update(plan.step, sampled)
+    return plans
+
+
+def test_a_cached_prefix_is_admitted_into_the_smallest_window_pool():
+    """The window pool at its least (one prefill's window and chunk): a prompt whose prefix the cache holds, its window
+    pages idle there, and a long tail after it is admitted (the window it takes over is part of what its prefill
+    holds, not more), and runs to its end."""
+    config = EngineConfig(page_size=4, max_prefill_tokens=8, steps_in_flight=1, swa_full_tokens_ratio=0.01)
+    scheduler = Scheduler(config, num_pages=64, eos_token_ids=(), max_position=256, window=8)
+    assert scheduler.windows is not None and scheduler.windows.allocator.num_pages == config.window_prefill_pages(8)
+    prompt = list(range(1, 33))
+    scheduler.add(0, prompt, SamplingParams(max_tokens=2, temperature=0))
+    drive(scheduler)
+    again = scheduler.add(1, prompt + list(range(40, 80)), SamplingParams(max_tokens=2, temperature=0))  # a long new tail
+    drive(scheduler)
+    assert again.finish_reason == "length" and again.cached_tokens == len(prompt)

@@ -366,8 +366,9 @@ class Scheduler:
         if request.rid in self.adopted:
             self._claim(request)
         needed = self.config.pages_for(len(request.tokens)) - len(request.pages)
-        # the window pool: room for the prefill's window and chunks in flight (it gives back pages as it moves on)
-        window_pages = self.windows.prefill_pages if self.windows is not None else 0
+        # the window pool: room for the prefill's window and chunks in flight (it gives back pages as it moves on), less
+        # the window of its cached prefix, which it holds already
+        window_pages = self.windows.prefill_pages - (len(request.pages) - request.window_from) if self.windows is not None else 0
         if not self._reserve(needed, min(needed, window_pages)):
             self._drop_pages(request)
             return False
