@@ -671,9 +671,11 @@ class EngineConfig(CliConfig):
         return -(-tokens // self.page_size)
 
     def window_prefill_pages(self, window: int) -> int:
-        """The most window pages a prompt's prefill holds at once: its window, and the chunks of the steps in flight."""
+        """The most window pages a prompt's prefill holds at once: its window, the chunks of the steps in flight, and a
+        speculative draft after the last (a verify chunk's)."""
         assert self.max_prefill_tokens is not None and self.steps_in_flight is not None  # the device's defaults
-        return self.pages_for(window + self.steps_in_flight * self.max_prefill_tokens) + 1
+        drafts = self.speculative_num_draft_tokens if self.speculative_algorithm is not None else 0
+        return self.pages_for(window + self.steps_in_flight * self.max_prefill_tokens + drafts) + 1
 
     def window_pages_for(self, num_pages: int, window: int) -> int:
         """The window pool's pages beside a pool of `num_pages` (scheduler and engine both size it so): room for

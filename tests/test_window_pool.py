@@ -4,6 +4,8 @@ transformers; idle window pages serve prefix-cache hits until the pool takes the
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from runtime import LLM, SamplingParams
@@ -132,3 +134,66 @@ def test_a_cached_prefix_is_admitted_into_the_smallest_window_pool():
     again = scheduler.add(1, prompt + list(range(40, 80)), SamplingParams(max_tokens=2, temperature=0))  # a long new tail
     drive(scheduler)
     assert again.finish_reason == "length" and again.cached_tokens == len(prompt)
+
+
+def test_a_speculative_draft_fits_the_smallest_window_pool(tiny_model):
+    """NGRAM drafts of 16 after chunks of 8, a window of 16, pages of one token: the window pool at its least still
+    holds a verify chunk's window and draft, so a lone request is not preempted by its own draft, over and over.
+    Its 480 prompt tokens are all different: whatever it draws was in the prompt, followed by 16 more to draft."""
+    llm = LLM(
+        tiny_model("gemma3"),
+        dtype="float32",
+        page_size=1,
+        num_pages=2048,
+        max_prefill_tokens=8,
+        steps_in_flight=1,
+        swa_full_tokens_ratio=0.01,
+        speculative_algorithm="NGRAM",
+        speculative_num_draft_tokens=16,
+        enable_prefix_cache=False,
+    )
+    schedule, plans = llm.scheduler.schedule, []
+
+    def counted():
+        plans.append(schedule())
+        assert len(plans) < 400, f"{llm.scheduler.preemptions} preemptions"
+        return plans[-1]
+
+    llm.scheduler.schedule = counted
+    prompt = random.Random(0).sample(range(1, 512), 480)
+    [output] = llm.generate([prompt], SamplingParams(max_tokens=20, temperature=0, ignore_eos=True))
+    assert len(output.token_ids) == 20 and llm.scheduler.preemptions == 0
+    assert any(chunk.drafts >= 8 for plan in plans for chunk in plan.chunks)  # the drafts were long
+
+
+def test_a_prompt_rerun_after_an_engine_death_recomputes_the_window_it_gave_back(tiny_model):
+    """A request wanting its prompt's log-probabilities reruns its prompt from position 0 when the engine dies (they
+    died with it), but it has given back the window pages of its first chunks, and the pool has taken some back:
+    it is recomputed from the queue, and gives the tokens and log-probabilities of a run that never died."""
+    from tests.conftest import KeptPool
+
+    llm = LLM(
+        tiny_model("gemma3"),
+        dtype="float32",
+        page_size=1,
+        num_pages=1200,
+        swa_full_tokens_ratio=0.01,
+        max_prefill_tokens=16,
+        steps_in_flight=1,
+        enable_prefix_cache=False,
+    )
+    prompt, params = list(range(5, 85)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, prompt_logprobs=0)
+    expected = llm.generate([prompt], params)[0]
+    kept = KeptPool(llm)
+    request = kept.scheduler.add(0, prompt, params)
+    kept.step()
+    kept.step()  # chunks 0-15 and 16-31, answered
+    plan = kept.scheduler.schedule()  # chunk 32-47: its window pages are taken back from the first ones, given back idle
+    assert request.window_from > 0
+    kept.engine.launch(plan)  # lost with the engine
+    kept.revive()
+    kept.scheduler.reopen()
+    kept.run()
+    assert request.output_ids == expected.token_ids
+    assert request.prompt_logprobs is not None and expected.prompt_logprobs is not None
+    assert all(abs(ours[0] - theirs[0]) < 1e-4 for ours, theirs in zip(request.prompt_logprobs, expected.prompt_logprobs))

@@ -294,9 +294,12 @@ class Scheduler:
         self._chunk_ends.clear()
         if self.cache is not None:
             self.cache.reopen()
-        for request in self.running:
+        for request in list(self.running):
             if request.params.prompt_logprobs is not None and not request.output_ids:
                 request.confirmed = 0  # the prompt's log-probabilities so far died with the engine: its prompt runs again
+            if self.windows is not None and request.window_from > self.windows.first_seen(request.confirmed):
+                self._preempt(request, self._freed)  # it gave back window pages its rerun would read: it is recomputed
+                continue
             request.computed = request.confirmed
             request.decoding = bool(request.output_ids) and request.confirmed == len(request.tokens) - 1 and not self.speculative
         self._resync = True
@@ -412,7 +415,7 @@ class Scheduler:
         needed = self.config.pages_for(request.computed + count) - len(request.pages)
         while not self._reserve(needed):
             victim = self._victim(plan)
-            self._preempt(victim, plan)
+            self._preempt(victim, plan.freed)
             if victim is request:
                 return False
         if needed:
@@ -433,12 +436,13 @@ class Scheduler:
         fed = {*plan.decodes, *(chunk.slot for chunk in plan.chunks)}
         return max((r for r in reversed(self.running) if r.slot not in fed), key=lambda r: r.params.priority)
 
-    def _preempt(self, request: Request, plan: StepPlan) -> None:
-        """Recompute later: drop its KV and slot, keep its tokens, and queue it first (of its priority)."""
+    def _preempt(self, request: Request, freed: list[int]) -> None:
+        """Recompute later: drop its KV and slot (into `freed`: the plan's, or the next's), keep its tokens, and queue
+        it first (of its priority)."""
         self.preemptions += 1
         self.running.remove(request)
         assert request.slot is not None  # a running request holds a slot
-        plan.freed.append(request.slot)
+        freed.append(request.slot)
         self._release_slot(request)
         self._drop_pages(request)
         self._queue(request, first=True)
