@@ -22,7 +22,7 @@ from tests.tiny_models import build
 BLOCK = 128
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max
 # Phi-3's fused q/k/v and gate/up are dequantized whole, then split; Mixtral's experts keep their own names
-SHAPES = {arch: dict(hidden_size=96, intermediate_size=200) for arch in ("qwen3", "llama", "phi3", "mixtral")}
+SHAPES = {arch: dict(hidden_size=96, intermediate_size=200) for arch in ("qwen3", "llama", "phi3", "mixtral", "deepseek_v3")}
 QUANTIZATION = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [BLOCK, BLOCK]}
 
 
@@ -44,7 +44,7 @@ def quantize_checkpoint(source: Path, fp8_dir: Path, dequantized_dir: Path) -> N
     """`source`'s projections as an FP8 checkpoint, and as the plain fp32 weights that checkpoint means."""
     quantized, plain = {}, {}
     for name, tensor in load_file(source / "model.safetensors").items():
-        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")):
+        if name.endswith(("proj.weight", ".w1.weight", ".w2.weight", ".w3.weight", "_mqa.weight")):  # the last: MLA's latent
             fp8, scale_inv, tensor = quantize(tensor)
             quantized[name], quantized[name.removesuffix("weight") + "weight_scale_inv"] = fp8, scale_inv
         else:
