@@ -53,7 +53,7 @@ class Shape:
         dense_mlp = 3 * cfg.hidden_size * cfg.intermediate_size * (cfg.num_layers - sparse)
         dense_mlp += 3 * cfg.hidden_size * moe.shared_intermediate * sparse if moe else 0  # DeepSeek's shared experts
         router = cfg.hidden_size * moe.num_experts * sparse if moe else 0
-        windowed = sum(1 for window in cfg.layer_windows if window)
+        windowed = cfg.windowed_layers
         return cls(
             always=attention * cfg.num_layers + dense_mlp + router,
             head=cfg.vocab_size * cfg.hidden_size,
@@ -82,7 +82,7 @@ class Shape:
     def prefill_s(self, prompt_lengths: list[int], cfg: ModelConfig, args: argparse.Namespace) -> float:
         per_token = self.always + self.expert * self.sparse_layers * self.top_k
         # causal QK and PV (a sliding-window layer's row sees at most its window)
-        windowed = sum(1 for window in cfg.layer_windows if window)
+        windowed = cfg.windowed_layers
         attention = sum(
             2 * p * (p * (cfg.num_layers - windowed) + min(p, cfg.window) * windowed) * cfg.num_heads * cfg.head_dim for p in prompt_lengths
         )

@@ -44,6 +44,7 @@ class RopeConfig:
     beta_fast: float = 32.0  # YaRN's: the rotations past which a pair is extrapolated, not interpolated
     beta_slow: float = 1.0
     truncate: bool = True  # YaRN's: the ramp's ends rounded to whole dimensions
+    softmax_mscale: float = 1.0  # YaRN's with mscale_all_dim: what the softmax's scale is multiplied by (DeepSeek's MLA)
 
     @classmethod
     def from_dict(cls, rope: dict[str, Any], raw: dict[str, Any]) -> RopeConfig:
@@ -75,6 +76,7 @@ class RopeConfig:
                 beta_fast=float(rope.get("beta_fast") or 32.0),
                 beta_slow=float(rope.get("beta_slow") or 1.0),
                 truncate=bool(rope.get("truncate", True)),
+                softmax_mscale=_yarn_mscale(factor, mscale_all_dim) ** 2 if mscale_all_dim else 1.0,
             )
         if kind != "longrope":
             return config
@@ -83,10 +85,6 @@ class RopeConfig:
         attention = rope.get("attention_factor") or (1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(original)))
         short, long = tuple(map(float, rope["short_factor"])), tuple(map(float, rope["long_factor"]))
         return replace(config, factor=float(factor), short_factor=short, long_factor=long, attention_factor=float(attention))
-
-
-def _mscale_all_dim(raw: dict[str, Any]) -> float:
-    return float({**(raw.get("rope_scaling") or {}), **(raw.get("rope_parameters") or {})}.get("mscale_all_dim") or 0.0)
 
 
 def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
@@ -243,10 +241,7 @@ class ModelConfig:
                 raw["v_head_dim"],
                 raw.get("rope_interleave", True),
             )
-            # as transformers: a YaRN rope with mscale_all_dim scales the softmax by its mscale, squared
-            all_dim = _mscale_all_dim(raw)
-            mscale = _yarn_mscale(rope.factor, all_dim) if rope.kind == "yarn" and all_dim else 1.0
-            scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * mscale * mscale
+            scale = (mla.qk_nope_head_dim + mla.qk_rope_head_dim) ** -0.5 * rope.softmax_mscale
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -302,6 +297,10 @@ class ModelConfig:
     def rope_dim(self) -> int:
         """The dims a head's rope rotates (MLA: its roped part)."""
         return self.mla.qk_rope_head_dim if self.mla is not None else self.head_dim
+
+    @property
+    def windowed_layers(self) -> int:
+        return sum(1 for window in self.layer_windows if window)
 
     @property
     def window(self) -> int:

@@ -64,6 +64,11 @@ class KVPool:
         """The layer as [page·2·slot, heads·dim], the view kv_rows indexes."""
         return self.kv[layer].view(-1, self.num_kv_heads * self.head_dim)
 
+    def latents(self, layer: int) -> Tensor:
+        """The layer as [page, slot, 2 · heads · dim]: a page's K half and V half side by side, its tokens' MLA latents
+        one after another (runtime.models.mla), the layout flashinfer's MLA kernels read."""
+        return self.kv[layer].view(len(self.kv[layer]), self.page_size, -1)
+
     def write(self, layer: int, kv: Tensor, rows: Tensor) -> None:
         """kv: [T, 2, kv heads, dim] for the step's new tokens, into `rows` [T, 2] (on CUDA rope_kv writes them instead)."""
         kv = kv.flatten(2)

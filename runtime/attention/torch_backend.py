@@ -63,17 +63,17 @@ class TorchAttention:
         if deterministic and not self.in_place:
             raise ValueError("deterministic inference on the torch backend needs a float32 CPU pool and ringllm's CPU kernels")
         self.deterministic, self.spec = deterministic, spec
+        self.windows = tuple({window for window in spec.windows if window})  # the sliding windows its layers use
         self._masks: dict[tuple[int, int], Tensor | None] = {}  # a prefill step's, by (sequence, window)
 
     def prepare(self, meta: AttentionMeta) -> None:
         """Plans the step over the pool, and over the window pool where the step has a plan there (meta.window;
         else the windowed layers mask the pool's pages)."""
         self._masks.clear()
-        windows = tuple({w for w in self.spec.windows if w})
         if meta.window is None:
-            self._plans = dict.fromkeys((False, True), self._plan(meta, (0, *windows)))
+            self._plans = dict.fromkeys((False, True), self._plan(meta, (0, *self.windows)))
         else:
-            self._plans = {False: self._plan(meta, (0,)), True: self._plan(meta.window, windows)}
+            self._plans = {False: self._plan(meta, (0,)), True: self._plan(meta.window, self.windows)}
 
     def _plan(self, meta: AttentionMeta, windows: tuple[int, ...]) -> _Plan:
         device, ps = self.pool.device, self.pool.page_size
@@ -104,10 +104,9 @@ class TorchAttention:
     def _kv(self, layer: int, pages: Tensor) -> tuple[Tensor, Tensor]:
         """K and V of `pages` ([B, P] or [P]), gathered apart so that each lands contiguous."""
         shape = (*pages.shape[:-1], -1, self.pool.num_kv_heads, self.pool.head_dim)
-        if self.spec.latent:  # MLA: a page's K and V halves are its tokens' latents (runtime.models.mla); values their first part
-            pool = self.pool
-            layer_pages = pool.kv[layer].view(len(pool.kv[layer]), pool.page_size, -1)
-            whole = layer_pages.index_select(0, pages.flatten()).view(*pages.shape[:-1], -1, 1, layer_pages.shape[-1])
+        if self.spec.latent:  # MLA: the keys are the tokens' whole latents, the values their first part
+            latents = self.pool.latents(layer)
+            whole = latents.index_select(0, pages.flatten()).view(*pages.shape[:-1], -1, 1, latents.shape[-1])
             return whole, whole[..., : self.spec.latent]
         keys, values = self.pool.gather(layer, pages.flatten())
         return keys.view(shape), values.view(shape)
@@ -129,6 +128,7 @@ class TorchAttention:
             attended = attend(grouped, keys.transpose(1, 2), values.transpose(1, 2), masks[window], spec, sinks=grouped_sinks)
             return attended.reshape(len(q), q.shape[1], -1)
         out, meta = q.new_empty(*q.shape[:2], spec.latent or q.shape[-1]), plan.meta
+        head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
         for i, pages in enumerate(plan.pages):
             rows = slice(int(meta.qo_indptr[i]), int(meta.qo_indptr[i + 1]))
             q_len, kv_len = rows.stop - rows.start, int(meta.kv_lens[i])
@@ -138,7 +138,6 @@ class TorchAttention:
             if (i, window) not in self._masks:
                 self._masks[i, window] = None if causal else visible(q_len, kv_len, window, q.device)
             # 4-D, batch of one: torch routes 3-D GQA inputs to its slow unfused math kernel
-            head_sinks = None if sinks is None else sinks.view(-1, 1, 1)
             attended = attend(q[rows].transpose(0, 1)[None], keys, values, self._masks[i, window], spec, causal, head_sinks)
             out[rows] = attended[0].transpose(0, 1)
         return out

@@ -426,6 +426,13 @@ class Engine:
                 self.graphs.pool if self.graphs else None,
             )
 
+    def _kv_rows(self, pages: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+        """batch.kv_rows of tokens at (page, offset): [T, 2], or [T, 4] with the window pool's rows after."""
+        rows = kv_rows(pages, offsets, self.config.page_size)
+        if self.window_of is None:
+            return rows
+        return np.concatenate([rows, kv_rows(self.window_of[pages], offsets, self.config.page_size)], axis=1)
+
     def _scratch(self) -> Scratch:
         window_page = int(self.window_of[self.scratch_page]) if self.window_of is not None else None
         return Scratch(self.scratch_page, window_page, self.config.page_size)
@@ -465,11 +472,10 @@ class Engine:
         meta = AttentionMeta(
             np.array([0, n], np.int32), np.array([0, 1], np.int32), np.array([self.scratch_page], np.int32), np.array([n], np.int32)
         )
-        rows = kv_rows(np.full(n, self.scratch_page), positions, self.config.page_size)
+        rows = self._kv_rows(np.full(n, self.scratch_page), positions)
         if self.window_of is not None:  # the window pool's scratch page too
-            window_page = self.window_of[self.scratch_page]
-            rows = np.concatenate([rows, kv_rows(np.full(n, window_page), positions, self.config.page_size)], axis=1)
-            meta.window = AttentionMeta(meta.qo_indptr, meta.kv_indptr, np.array([window_page], np.int32), meta.kv_lens)
+            window_page = np.array([self.window_of[self.scratch_page]], np.int32)
+            meta.window = AttentionMeta(meta.qo_indptr, meta.kv_indptr, window_page, meta.kv_lens)
         batch = ForwardBatch(torch.zeros(n, dtype=torch.int64, device=self.device), self._to_device(positions), self._to_device(rows), meta)
         self.attention.prepare(meta)
         warm_up_draws(self.model.logits(self.model(batch, self.attention)[-1:]), self.last_tokens)
@@ -490,7 +496,7 @@ class Engine:
         if config.standby_engine:  # what this process holds now (the weights) again, and room for the standby's graphs
             budget -= torch.cuda.memory_allocated(self.device) + STANDBY_HEADROOM_BYTES
         # a page's bytes in every full layer, and in each sliding-window layer the window pool's share of a page
-        windowed = sum(1 for window in cfg.layer_windows if window)
+        windowed = cfg.windowed_layers
         layer_bytes = KVPool.bytes_per_page(1, config.page_size, self.kv_heads, cfg.kv_cache_dim, self.kv_dtype)
         page_bytes = int(layer_bytes * (cfg.num_layers - windowed + windowed * config.swa_full_tokens_ratio))
         draft_weights, draft_page = self.draft_cost()  # a draft model's engine takes its share of the same budget
@@ -590,10 +596,7 @@ class Engine:
             rope_rows = positions + self.model_config.max_position * np.repeat(long, q_lens)
         ps = self.config.page_size
         row_slots = np.repeat(seq_slots, q_lens)
-        row_pages = self.page_table[row_slots, positions // ps]
-        kv_dest = kv_rows(row_pages, positions % ps, ps)
-        if self.window_of is not None:  # the window pool's rows beside the pool's: [tokens, 4]
-            kv_dest = np.concatenate([kv_dest, kv_rows(self.window_of[row_pages], positions % ps, ps)], axis=1)
+        kv_dest = self._kv_rows(self.page_table[row_slots, positions // ps], positions % ps)
         row_seqs = self._rows_as_sequences(plan, tokens)
         if row_seqs:  # row i attends to its sequence's positions up to its own
             meta = self._meta(row_slots, positions + 1, np.arange(tokens + 1))

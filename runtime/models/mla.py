@@ -3,7 +3,8 @@ token's KV is its latent: kv_lora_rank normed values, from which kv_b_proj would
 part) and V, and the roped key part the heads share. The pool keeps that latent (MlaConfig.latent values a token,
 not per head), and attention runs over it as one shared head: each head's query is its unroped part through its
 slice of kv_b_proj's K rows (W_UK) beside its roped part, so q·k is the same sum; the heads' weights over the
-latents, through their slices of the V rows (W_UV), are each head's output. Prefill and decode both run so."""
+latents, through their slices of the V rows (W_UV), are each head's output. Prefill and decode both run so.
+The pool holds the latents in its K and V halves of each page (KVPool.latents)."""
 
 from __future__ import annotations
 
@@ -13,20 +14,15 @@ import torch
 from torch import nn
 
 from runtime.attention.backend import AttentionBackend
-from runtime.attention.pool import KVPool
 from runtime.batch import ForwardBatch
 from runtime.config import ModelConfig
 from runtime.distributed import TensorParallel
 from runtime.models.layers import FusedOps, RMSNorm, torch_rope, torch_rope_tables
 
 
-def latents(pool: KVPool, layer: int) -> torch.Tensor:
-    """The layer's latents, [page · slot, latent]: row page · page_size + slot is that token's."""
-    return pool.kv[layer].view(-1, 2 * pool.num_kv_heads * pool.head_dim)
-
-
 def token_rows(batch: ForwardBatch, page_size: int) -> torch.Tensor:
-    """Each new token's row of `latents`, from its K row of the pool (page · 2 · page_size + slot)."""
+    """Each new token's row of KVPool.latents flattened to [page · slot, latent], from its K row of the pool
+    (page · 2 · page_size + slot)."""
     k = batch.kv_rows[:, 0]
     return k - (k // (2 * page_size)) * page_size
 
@@ -64,7 +60,7 @@ class MlaAttention(nn.Module):
         roped = torch.cat([q_rope, latent[:, None, mla.kv_lora_rank :]], dim=1)
         torch_rope(positions, roped, self.heads, tables if isinstance(tables, tuple) else torch_rope_tables(positions, tables))
         cached = torch.cat([self.kv_a_layernorm(latent[:, : mla.kv_lora_rank]), roped[:, self.heads]], dim=-1)
-        latents(backend.pool, self.layer)[token_rows(batch, backend.pool.page_size)] = cached
+        backend.pool.latents(self.layer).flatten(0, 1)[token_rows(batch, backend.pool.page_size)] = cached
         w_uk, w_uv = self.kv_b_proj.weight.view(self.heads, -1, mla.kv_lora_rank).split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         query = torch.cat([torch.einsum("thn,hnl->thl", q_nope, w_uk), roped[:, : self.heads]], dim=-1)
         attended = backend.forward(self.layer, query, batch)  # [T, heads, kv_lora_rank]: weights over the latents
