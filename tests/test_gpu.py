@@ -119,6 +119,12 @@ def test_greedy_tokens_equal_between_torch_attention_flashinfer_and_cuda_graphs(
     assert_same_greedy_tokens(reference, greedy_run(model_dir, attention_backend="flashinfer"), "flashinfer + CUDA graphs")
 
 
+def whole_sequence_scores(llm: LLM, sequences: list[list[int]]) -> torch.Tensor:
+    """Every token's log-probability after the ones before it (prompt log-probabilities, through chunked prefill)."""
+    outputs = llm.generate(sequences, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
+    return torch.tensor([lp for o in outputs for lp, _, _ in o.prompt_logprobs])
+
+
 def assert_same_log_probabilities(model_dir, runs: dict[str, dict], what: str, **common) -> None:
     """Each run (LLM options; the first the reference, on the torch backend) gives the reference's greedy ids, or parts
     from them only at near-ties, and scores the reference's sequences whole (prompt log-probabilities, through chunked
@@ -128,9 +134,7 @@ def assert_same_log_probabilities(model_dir, runs: dict[str, dict], what: str, *
         llm = LLM(model_dir, device="cuda", dtype="bfloat16", page_size=PAGE, num_pages=512, max_prefill_tokens=32, **options, **common)
         greedy[name] = greedy_tokens(llm)
         reference = reference or greedy[name]
-        sequences = [prompt + tokens for prompt, (tokens, _) in zip(greedy_prompts(), reference)]
-        outputs = llm.generate(sequences, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0))
-        scores[name] = torch.tensor([lp for o in outputs for lp, _, _ in o.prompt_logprobs])
+        scores[name] = whole_sequence_scores(llm, [prompt + tokens for prompt, (tokens, _) in zip(greedy_prompts(), reference)])
     first = next(iter(scores.values()))
     for name, score in list(scores.items())[1:]:
         error = (score - first).abs()
@@ -153,6 +157,33 @@ def test_sliding_windows_and_soft_caps_give_the_log_probabilities_of_torch_atten
     }
     # a window pool of 10 pages: fewer than the sequences' windows together
     assert_same_log_probabilities(build(arch, tmp_path, head_dim=128), runs, arch, swa_full_tokens_ratio=0.02)
+
+
+@pytest.mark.parametrize("arch", ["deepseek_v3", "deepseek_v3_q_whole"])
+def test_mla_on_flashinfer_strays_from_float32_no_more_than_torch_attention(tmp_path, arch):
+    """DeepSeek-V3's MLA at its latent widths (512 + 64) and 16 heads, tiny otherwise: flashinfer's MLA kernel over
+    the pool's latents, eager and in decode and prefill graphs (with the experts' fused kernels), scoring whole
+    sequences through chunked prefill. In bf16 this model's scores stray from float32's by 0.1-0.2 on average whatever
+    the kernel (chunk sizes alone move the torch backend's by 0.04), so each run is held to the torch backend's own
+    distance from float32; a wrong mask, page or scale lands far beyond it."""
+    model_dir = build(arch, tmp_path, num_attention_heads=16, kv_lora_rank=512, qk_rope_head_dim=64)
+    runs = {
+        "float32": dict(attention_backend="torch", dtype="float32"),
+        "torch": dict(attention_backend="torch"),
+        "flashinfer": dict(attention_backend="flashinfer", cuda_graph_max_bs=0, cuda_graph_max_prefill_tokens=0),
+        "graphs": dict(attention_backend="flashinfer"),
+    }
+    sequences, scores = None, {}
+    for name, options in runs.items():
+        llm = LLM(model_dir, device="cuda", **{"dtype": "bfloat16", **options}, page_size=PAGE, num_pages=512, max_prefill_tokens=32)
+        sequences = sequences or [prompt + tokens for prompt, (tokens, _) in zip(greedy_prompts(), greedy_tokens(llm))]
+        scores[name] = whole_sequence_scores(llm, sequences)
+    truth = scores.pop("float32")
+    bf16 = (scores.pop("torch") - truth).abs()
+    for name, score in scores.items():
+        error = (score - truth).abs()
+        print(f"{arch} {name}: {error.mean():.4f} from float32 on average, {error.max():.4f} at most (torch: {bf16.mean():.4f})")
+        assert error.mean() < 1.2 * bf16.mean() and error.max() < 1.5 * bf16.max(), name
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -192,6 +223,27 @@ def test_fused_experts_match_the_grouped_experts(tokens, kernel):
     print(f"fused experts ({kernel}), {tokens} tokens: relative error {error:.2e}")
     assert error < 2e-2
     assert torch.equal(load.long(), counts) and int(counts.sum()) == tokens * 8
+
+
+def test_fused_experts_take_deepseek_routing(tmp_path):
+    """DeepSeek-V3's sparse layer (grouped sigmoid routing, correction bias, shared expert) through the fused
+    kernels on CUDA against its per-expert path."""
+    pytest.importorskip("sgl_kernel")
+    from runtime.config import ModelConfig
+    from runtime.models.loader import build_model
+
+    model_dir = build("deepseek_v3", tmp_path, kv_lora_rank=512, qk_rope_head_dim=64)
+    model = build_model(ModelConfig.load(model_dir), model_dir, torch.bfloat16, torch.device("cuda"), False)
+    sparse = next(layer.mlp for layer in model.model.layers if hasattr(layer.mlp, "e_score_correction_bias"))
+    assert sparse.fused is not None and sparse.shared_experts is not None
+    x = torch.randn(37, sparse.gate.in_features, device="cuda", dtype=torch.bfloat16, generator=torch.Generator("cuda").manual_seed(0))
+    with torch.no_grad():
+        fused = sparse(x).float()
+        sparse.fused = None
+        reference = sparse(x).float()
+    error = (fused - reference).norm() / reference.norm()
+    print(f"DeepSeek's routing through the fused experts: relative error {error:.2e}")
+    assert error < 2e-2
 
 
 def test_moe_decode_and_prefill_graphs_give_the_tokens_of_eager_steps(tmp_path):
@@ -604,7 +656,7 @@ def test_triton_decode_attention_matches_torch(shapes, kv_heads, fp8):
     qkv = torch.randn(tokens, HEADS + 2 * kv_heads, HEAD_DIM, generator=generator).to("cuda", torch.bfloat16)
     pool = make_pool(kv_heads, fp8)
     pool.kv[0].copy_(torch.randn(pool.kv[0].shape, generator=generator))
-    reference = ATTENTION_BACKENDS["torch"](pool, HEADS)
+    reference = ATTENTION_BACKENDS["torch"](pool, HEADS, AttentionSpec(HEAD_DIM**-0.5))
     reference.prepare(batch.meta)
     want = reference.forward(0, qkv[:, :HEADS], batch).float()
     device = lambda a: torch.from_numpy(a).cuda()  # noqa: E731

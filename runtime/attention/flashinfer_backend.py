@@ -1,6 +1,7 @@
 """flashinfer on CUDA: paged prefill and tensor-core decode, planned once per step on the host,
 and the fixed-buffer wrappers that CUDA graphs replay. An FP8 pool's pages are read with bf16 (or
-fp16) queries, its layer's K and V scales given to each run."""
+fp16) queries, its layer's K and V scales given to each run. MLA models run flashinfer's MLA kernel
+for every step, over the pool's latents."""
 
 from __future__ import annotations
 
@@ -51,8 +52,8 @@ class FlashInferAttention:
 
         if spec.sinks:  # in flashinfer 0.6 only its Blackwell (trtllm-gen) kernels take sinks
             raise ValueError("attention sinks (GPT-OSS) are not in flashinfer's Hopper kernels: serve with --attention-backend torch")
-        if spec.latent:  # its MLA kernel disagreed with the torch backend's over chunked prefill (benchmarks/results)
-            raise ValueError("multi-head latent attention (DeepSeek) runs on the torch backend for now: --attention-backend torch")
+        if spec.latent and deterministic:  # its MLA plan splits a row's latents by how many rows share the step
+            raise ValueError("deterministic inference of multi-head latent attention (DeepSeek) runs on --attention-backend torch")
 
         self.flashinfer, self.pool, self.num_heads, self.spec = flashinfer, pool, num_heads, spec
         self.backend = "auto"
@@ -61,12 +62,17 @@ class FlashInferAttention:
                 raise ValueError("deterministic inference needs FA3: a Hopper GPU, CUDA 12.3 or later, head dim 64, 128 or 256")
             self.backend = "fa3"
         self.workspace = torch.zeros(256 << 20, dtype=torch.uint8, device=pool.device)
-        self.prefill = self._windows(lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend))
-        self.decode = (
-            self.prefill
-            if deterministic
-            else self._windows(lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
-        )
+        if spec.latent:  # one MLA kernel for prefill and decode rows (FA3's on Hopper: twice FA2's decode speed)
+            self.prefill = self.decode = self._windows(lambda: flashinfer.mla.BatchMLAPagedAttentionWrapper(self.workspace))
+        else:
+            self.prefill = self._windows(
+                lambda: flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=self.backend)
+            )
+            self.decode = (
+                self.prefill
+                if deterministic
+                else self._windows(lambda: flashinfer.BatchDecodeWithPagedKVCacheWrapper(self.workspace, "NHD", use_tensor_cores=True))
+            )
         self.deterministic = deterministic
         # the wrappers the next forward runs: flashinfer's, or a graph's (Windows or ringllm's); each has its own plan
         self.active: Windows | TritonDecode = self.prefill
@@ -91,7 +97,7 @@ class FlashInferAttention:
 
     def decode_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
         """Decode wrappers with fixed buffers, for CUDA graphs of `batch_size` sequences."""
-        if self.deterministic:
+        if self.deterministic or self.spec.latent:
             return self.prefill_graph_wrapper(batch_size, max_pages)
 
         def make() -> Any:
@@ -111,10 +117,10 @@ class FlashInferAttention:
     def triton_decode_graph_wrapper(self, batch_size: int, max_pages: int, rotates: bool = True) -> TritonDecode | None:
         """ringllm's split-KV decode (runtime.kernels.triton.decode_attention) with fixed buffers, for CUDA graphs;
         None where Triton does not import, where it would not be the kernel of every row (deterministic), where the
-        head dim is not a power of two (its tiles span a head: Phi-3-mini's 96), or where the model has windows or
-        a soft cap (it has neither). `rotates`: as GraphAttention's."""
+        head dim is not a power of two (its tiles span a head: Phi-3-mini's 96), or where the model has windows,
+        a soft cap or MLA (it has none of them). `rotates`: as GraphAttention's."""
         head_dim = self.pool.head_dim
-        if self.deterministic or head_dim & (head_dim - 1) or self.spec.windows or self.spec.softcap:
+        if self.deterministic or head_dim & (head_dim - 1) or self.spec.windows or self.spec.softcap or self.spec.latent:
             return None
         try:
             from runtime.kernels.triton.decode_attention import decode_attention
@@ -124,10 +130,15 @@ class FlashInferAttention:
 
     def prefill_graph_wrapper(self, batch_size: int, max_pages: int) -> GraphWrapper:
         """Prefill wrappers with fixed buffers, for CUDA graphs of exactly `batch_size` sequences. Their
-        first plan fixes the most rows they take, and with them their launch grid."""
+        first plan fixes the most rows they take, and with them their launch grid. MLA's take decodes too
+        (its last buffer holds the sequences' lengths)."""
 
         def make() -> Any:
             indptr, indices, last_page_len = self._graph_buffers(batch_size, max_pages)
+            if self.spec.latent:
+                return self.flashinfer.mla.BatchMLAPagedAttentionWrapper(
+                    self.workspace, True, torch.zeros_like(indptr), indptr, indices, kv_len_arr=last_page_len
+                )
             return self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
                 self.workspace,
                 "NHD",
@@ -177,6 +188,23 @@ class FlashInferAttention:
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
         last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
+        if isinstance(wrapper, self.flashinfer.mla.BatchMLAPagedAttentionWrapper):
+            latent = spec.latent  # the roped key part follows it in the pool's row
+            wrapper.plan(
+                torch.from_numpy(meta.qo_indptr),
+                kv_indptr,
+                indices,
+                torch.from_numpy(meta.kv_lens),
+                self.num_heads,
+                latent,
+                2 * pool.head_dim - latent,
+                pool.page_size,
+                True,
+                spec.scale,
+                pool.compute_dtype,
+                pool.dtype,
+            )
+            return
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
         # flashinfer's window_left: the keys before the query's own that it sees
         attention = {"sm_scale": spec.scale, "logits_soft_cap": spec.softcap, "window_left": window - 1 if window else -1}
@@ -211,6 +239,11 @@ class FlashInferAttention:
         return isinstance(self.active, TritonDecode) and self.active.rotates
 
     def forward(self, layer: int, q: Tensor, batch: ForwardBatch, rope: Rope | None = None, sinks: Tensor | None = None) -> Tensor:
+        if latent := self.spec.latent:  # MLA: q [T, heads, latent + roped part] -> [T, heads, latent]
+            assert isinstance(self.active, Windows)
+            latents, out = self.pool.latents(layer), q.new_empty(*q.shape[:2], latent)
+            args = q[..., :latent], q[..., latent:], latents[..., :latent], latents[..., latent:]
+            return self.active.by_window[0].run(*args, out=out)
         # left uninitialised (every row is written): flashinfer would zero-fill an output of its own first
         out = torch.empty(len(q), self.num_heads, q.shape[-1], dtype=q.dtype, device=q.device)
         scales: dict[str, Any] = {}

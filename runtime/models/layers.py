@@ -67,7 +67,7 @@ class FusedOps:
     rope_cache_fp32: bool = False
     rope_tables: Callable[[Tensor, Tensor], Any] = _whole_cache
     # a sparse block from its router logits, on CUDA: (x, logits, gate_up, down, top_k, renormalise, silu_and_mul,
-    # load) -> output, each expert's pairs added to load (runtime.kernels.triton.fused_moe)
+    # load, routed) -> output, each expert's pairs added to load (runtime.kernels.triton.fused_moe)
     fused_moe: Callable[..., Tensor] | None = None
     gelu_tanh_and_mul: Callable[[Tensor], Tensor] = torch_gelu_tanh_and_mul  # Gemma's GeGLU
 

@@ -118,25 +118,23 @@ class SparseMoe(nn.Module):
         self.experts = Experts(moe.num_experts, cfg.hidden_size, tp.split(moe.intermediate_size)[1], moe.biases)
         limit = moe.swiglu_limit
         self.activation = ops.silu_and_mul if limit is None else functools.partial(clamped_swiglu, alpha=moe.swiglu_alpha, limit=limit)
-        plain = not moe.biases and limit is None and moe.sigmoid_groups is None
-        self.fused = ops.fused_moe if plain else None  # the Triton kernels route by softmax, with no bias, SiLU
+        # the Triton kernels' experts have no biases and gate by SiLU; they route by softmax, or take DeepSeek's routing
+        self.fused = ops.fused_moe if not moe.biases and limit is None else None
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int32), persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """[T, hidden] normed rows -> this rank's partial output."""
-        logits = self.gate(x)
+        logits, moe, experts = self.gate(x), self.moe, self.experts
+        routed = None
+        if (groups := moe.sigmoid_groups) is not None and (correction := self.e_score_correction_bias) is not None:
+            routed = route_groups(logits, correction, self.top_k, groups, self.renormalise, moe.routed_scaling_factor)
         if self.fused is not None and x.is_cuda:  # no host sync: CUDA graphs capture it
-            experts = self.experts
-            return self.fused(
-                x, logits, experts.gate_up_proj, experts.down_proj, self.top_k, self.renormalise, self.ops.silu_and_mul, self.load
-            )
-        moe = self.moe
-        if moe.sigmoid_groups is not None and (correction := self.e_score_correction_bias) is not None:
-            weights, ids = route_groups(logits, correction, self.top_k, moe.sigmoid_groups, self.renormalise, moe.routed_scaling_factor)
+            gate_up, down = experts.gate_up_proj, experts.down_proj
+            out = self.fused(x, logits, gate_up, down, self.top_k, self.renormalise, self.ops.silu_and_mul, self.load, routed)
         else:
-            weights, ids = route(logits, self.top_k, self.renormalise)
-        out, counts = self.experts.grouped(x, weights, ids, self.activation)
-        self.load += counts
+            weights, ids = routed or route(logits, self.top_k, self.renormalise)
+            out, counts = experts.grouped(x, weights, ids, self.activation)
+            self.load += counts
         return out if self.shared_experts is None else out + self.shared_experts(x)
 
     def forward_normed(

@@ -326,12 +326,17 @@ def moe_forward(
     renormalise: bool,
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor],
     load: torch.Tensor,
+    routed: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """A sparse block from the router's logits: output [T, H], each expert's pairs added to `load`;
-    sgl-kernel's fused softmax-top-k, then fused_experts."""
-    import sgl_kernel
+    sgl-kernel's fused softmax-top-k, then fused_experts. `routed`: (weights, ids) [T, top_k] of the
+    model's own router (DeepSeek's groups) in place of the softmax."""
+    if routed is not None:
+        weights, ids = routed[0].float(), routed[1].to(torch.int32)
+    else:
+        import sgl_kernel
 
-    weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
-    ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
-    sgl_kernel.topk_softmax(weights, ids, logits.float(), renormalise)
+        weights = torch.empty(x.shape[0], top_k, dtype=torch.float32, device=x.device)
+        ids = torch.empty(x.shape[0], top_k, dtype=torch.int32, device=x.device)
+        sgl_kernel.topk_softmax(weights, ids, logits.float(), renormalise)
     return fused_experts(x, gate_up, down, weights, ids, silu_and_mul, load=load)
