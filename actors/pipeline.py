@@ -18,7 +18,14 @@ import orjson
 
 from actors.gauges import ApiGauge
 from actors.topology import DEFAULT_PORT, ActorSpec, Edge, Topology
-from api.chat_output import DEFAULT_TOOL_CALL_PARSER, REASONING_PARSERS, TOOL_CALL_PARSERS
+from api.chat_output import (
+    DEFAULT_TOOL_CALL_PARSER,
+    HARMONY,
+    REASONING_PARSER_ALIASES,
+    REASONING_PARSERS,
+    TOOL_CALL_PARSER_ALIASES,
+    TOOL_CALL_PARSERS,
+)
 from runtime.cli_args import CliConfig, flag
 from runtime.config import EngineConfig
 from runtime.scheduler.router import POLICIES
@@ -138,13 +145,18 @@ class ServeConfig(CliConfig):
     tool_call_parser: str = field(
         default=DEFAULT_TOOL_CALL_PARSER,
         metadata=flag(
-            "how the model writes tool calls: hermes and qwen3 <tool_call> tags (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3)",
-            choices=TOOL_CALL_PARSERS,
+            "how the model writes tool calls: hermes and qwen3 <tool_call> tags (Qwen2.5, Qwen3, Hermes), llama3_json (Llama 3), "
+            "gpt-oss (GPT-OSS's harmony, also spelled openai; it sets --reasoning-parser gpt-oss too)",
+            choices=(*TOOL_CALL_PARSERS, *TOOL_CALL_PARSER_ALIASES),
         ),
     )
     reasoning_parser: str | None = field(
         default=None,
-        metadata=flag("set <think>...</think> apart as reasoning_content (qwen3, deepseek_r1)", choices=tuple(REASONING_PARSERS)),
+        metadata=flag(
+            "set reasoning apart as reasoning_content: <think>...</think> (qwen3, deepseek_r1), or harmony's analysis channel "
+            "(gpt-oss, also spelled openai_gptoss; it sets --tool-call-parser gpt-oss too)",
+            choices=(*REASONING_PARSERS, *REASONING_PARSER_ALIASES),
+        ),
     )
     warm_prefixes: tuple[str | list[int], ...] = field(
         default=(),
@@ -164,6 +176,7 @@ class ServeConfig(CliConfig):
     engine: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
+        self._name_parsers()
         if self.api_workers < 1:
             raise ValueError(f"api_workers must be at least 1, not {self.api_workers}")
         if not self.body_timeout > 0:
@@ -192,6 +205,22 @@ class ServeConfig(CliConfig):
             raise ValueError("standby_engine needs a GPU, one rank, warm spares and a kept KV pool (a CPU engine has a spare anyway)")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
+
+    def _name_parsers(self) -> None:
+        """Each parser by its one name (vLLM's spellings are read as SGLang's). Harmony is one format whose reasoning
+        and calls are read together, so gpt-oss for either parser names it for both; beside another parser it is
+        refused (the tool-call parser's default, hermes, gives way to it)."""
+        for name, aliases in (("reasoning_parser", REASONING_PARSER_ALIASES), ("tool_call_parser", TOOL_CALL_PARSER_ALIASES)):
+            object.__setattr__(self, name, aliases.get(getattr(self, name), getattr(self, name)))
+        if HARMONY not in (self.reasoning_parser, self.tool_call_parser):
+            return
+        if self.reasoning_parser not in (None, HARMONY) or self.tool_call_parser not in (DEFAULT_TOOL_CALL_PARSER, HARMONY):
+            raise ValueError(
+                f"the gpt-oss parsers read reasoning and tool calls together: reasoning_parser {self.reasoning_parser!r} and "
+                f"tool_call_parser {self.tool_call_parser!r} cannot be mixed (give gpt-oss for either, or both)"
+            )
+        object.__setattr__(self, "reasoning_parser", HARMONY)
+        object.__setattr__(self, "tool_call_parser", HARMONY)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace, **given: Any) -> ServeConfig:

@@ -19,8 +19,9 @@ import structlog
 from aiohttp import hdrs, web
 from aiohttp.web_protocol import RequestPayloadError
 
-from api.chat_output import ChatOutput
+from api.chat_output import HARMONY, ChatOutput
 from api.errors import ApiError
+from api.harmony import HarmonyParser
 from api.protocol import Completion, Limits, choice, envelope, logprobs_block, parse, parse_prefixes, prompt_logprobs_block, usage
 from runtime.obs.metrics import exposition, metrics
 
@@ -217,7 +218,7 @@ class ChoiceState:
     prompt: dict | None = None  # the prompt's text and log-probabilities, when the request echoes or asked for them
     first_token_s: float | None = None
     last_token_at: float = 0.0
-    output: ChatOutput | None = None  # a streamed chat choice's reasoning and tool-call parsers
+    output: ChatOutput | HarmonyParser | None = None  # a streamed chat choice's reasoning and tool-call parsers
 
 
 def _echoed(c: Completion, state: ChoiceState) -> tuple[str, list[dict]]:
@@ -340,6 +341,8 @@ class Handlers:
         except Overloaded as exc:
             error = ApiError(str(exc), 503, kind="server_error", code="overloaded")
             return _json(error.body(), 503, {"Retry-After": str(RETRY_AFTER_S), "X-Request-Id": rid})
+        # harmony's markers are special tokens, which its parser reads (and keeps from the client)
+        skip_special_tokens = c.skip_special_tokens and not (c.chat and self.gateway.limits().reasoning_parser == HARMONY)
         clock = RequestClock(rid, self.gateway.served_model, self.latency, arrived)
         log.info("received", rid=rid, path=request.path, stream=c.stream, prompts=len(c.prompts), n=c.n)
         inbox = Inbox(self.gateway.request_timeout, self.gateway.max_stream_backlog, lambda: _cut_off(request, rid, "backlog"))
@@ -351,7 +354,7 @@ class Handlers:
                     params = replace(c.params, seed=None if seed is None else (seed + j) % 2**63)
                     detok = {
                         "stop": c.stop,
-                        "skip_special_tokens": c.skip_special_tokens,
+                        "skip_special_tokens": skip_special_tokens,
                         "top_logprobs": c.params.logprobs or 0,
                         "prompt": c.echo or c.prompt_logprobs is not None,
                     }
@@ -401,17 +404,22 @@ class Handlers:
         clock.on_delta(state, delta)
         return state
 
-    def _chat_output(self, c: Completion) -> ChatOutput | None:
+    def _chat_output(self, c: Completion) -> ChatOutput | HarmonyParser | None:
         """The parsers a chat choice's text goes through, if the server or the request asks for any."""
         limits = self.gateway.limits()
-        tool_parser = limits.tool_call_parser if c.tools is not None and c.tools.choice != "none" else None
+        tools = c.tools if c.tools is not None and c.tools.choice != "none" else None
+        tool_parser = limits.tool_call_parser if tools else None
         if not c.chat or not (tool_parser or limits.reasoning_parser):
             return None
-        names = {tool["function"]["name"] for tool in c.tools.tools} if c.tools else set()
+        names = {tool["function"]["name"] for tool in tools.tools} if tools else set()
+        if limits.reasoning_parser == HARMONY:  # the tool-call parser too (actors.pipeline)
+            return HarmonyParser(names)
         return ChatOutput(limits.reasoning_parser, tool_parser, names, constrained=c.guide is not None)
 
     @staticmethod
-    def _parsed(output: ChatOutput | None, text: str, finish: str | None, stream: bool) -> tuple[str | None, dict | None, str | None]:
+    def _parsed(
+        output: ChatOutput | HarmonyParser | None, text: str, finish: str | None, stream: bool
+    ) -> tuple[str | None, dict | None, str | None]:
         """The choice's content, its other message fields and its finish reason, `text` read by `output`."""
         if output is None:
             return text, None, finish

@@ -1,6 +1,7 @@
 """A chat choice's text as OpenAI's message parts: reasoning (--reasoning-parser) set apart from the
 answer, and tool calls (--tool-call-parser) read out of it, both as the text streams. Only text that
-may yet be part of a marker is held back; a call's arguments stream as they are generated."""
+may yet be part of a marker is held back; a call's arguments stream as they are generated. GPT-OSS's
+harmony format, whose reasoning and calls are read together, has a parser of its own (api.harmony)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,14 @@ from runtime.structured.grammars import TOOL_FORMATS
 THINK, END_THINK = "<think>", "</think>"
 # qwen3: thinking only where the output opens with <think> (enable_thinking false leaves it out);
 # deepseek_r1: the template opens the block, so the output is thinking until </think>
-REASONING_PARSERS = {"qwen3": False, "deepseek_r1": True}
+THINK_OPENS_INSIDE = {"qwen3": False, "deepseek_r1": True}
+HARMONY = "gpt-oss"  # GPT-OSS's harmony format, for both flags: either one names it for both (actors.pipeline)
+REASONING_PARSERS = (*THINK_OPENS_INSIDE, HARMONY)
 TOOL_CALL_PARSERS = tuple(TOOL_FORMATS)
 DEFAULT_TOOL_CALL_PARSER = "hermes"  # unless --tool-call-parser says otherwise
+# vLLM's names for parsers that SGLang names otherwise: each flag takes both, and keeps SGLang's
+REASONING_PARSER_ALIASES = {"openai_gptoss": HARMONY}
+TOOL_CALL_PARSER_ALIASES = {"openai": HARMONY}
 # hermes and qwen3: <tool_call>{"name": ..., "arguments": {...}}</tool_call>; llama3_json: {"name": ..., "parameters": {...}}
 JSON = json.JSONDecoder()
 CALL_MARKERS = {"hermes": ("<tool_call>", "</tool_call>"), "qwen3": ("<tool_call>", "</tool_call>"), "llama3_json": ('{"name"', None)}
@@ -39,7 +45,7 @@ class ReasoningSplitter:
     constrained output (a grammar, a forced tool) opens with <think> if it thinks at all."""
 
     def __init__(self, parser: str, constrained: bool) -> None:
-        self.opens_inside = REASONING_PARSERS[parser] and not constrained
+        self.opens_inside = THINK_OPENS_INSIDE[parser] and not constrained
         self.state = "start"  # start -> thinking -> after -> answer, or start -> answer
         self.held = ""
 
@@ -162,7 +168,7 @@ class ToolCallParser:
         if header is None or header[1] not in self.names:
             return False
         self.streamed, self.held = _Streamed(self.calls), self.held[header.end() :]
-        deltas[self.calls] = {"index": self.calls, **_call_delta(header[1], "")}
+        deltas[self.calls] = {"index": self.calls, **call_delta(header[1], "")}
         self.calls += 1
         return True
 
@@ -217,7 +223,8 @@ class ToolCallParser:
         return "" if streaming else held
 
 
-def _call_delta(name: str, arguments: str) -> dict:
+def call_delta(name: str, arguments: str) -> dict:
+    """A call's first delta, or a whole call: its new id, type, name and arguments."""
     return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
@@ -229,7 +236,7 @@ def _call(body: str) -> dict | None:
     if (arguments := members.get("arguments", members.get("parameters"))) is None:
         return None
     value, text = arguments
-    return _call_delta(members["name"][0], value if isinstance(value, str) else text)
+    return call_delta(members["name"][0], value if isinstance(value, str) else text)
 
 
 def _members(text: str) -> dict[str, tuple[Any, str]] | None:

@@ -44,7 +44,8 @@ SAMPLING_FIELDS: dict[str, tuple[type, ...]] = {
     "cache_salt": (str,),
 }
 # what the chat template takes, refused on /v1/completions rather than ignored
-CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message")
+CHAT_ONLY = ("tools", "chat_template_kwargs", "add_generation_prompt", "continue_final_message", "reasoning_effort")
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")  # OpenAI's, for chat completions
 # chat_template_kwargs may not override what the server passes the template itself
 TEMPLATE_OWN = {"conversation", "messages", "tools", "tokenize", "add_generation_prompt", "continue_final_message", "chat_template"}
 
@@ -175,8 +176,19 @@ def _messages(body: dict) -> list[dict]:
             content = ""
         elif not isinstance(content, str):
             raise ApiError(f"messages[{i}].content must be a string or a list of text parts", param=f"messages[{i}].content")
-        out.append({"role": message["role"], "content": content, **_tool_fields(i, message)})
+        out.append({"role": message["role"], "content": content, **_reasoning_fields(i, message), **_tool_fields(i, message)})
     return out
+
+
+def _reasoning_fields(i: int, message: dict) -> dict:
+    """An assistant's reasoning_content (vLLM's and SGLang's field), under the names templates read it by: Qwen3's
+    reasoning_content, GPT-OSS's thinking."""
+    reasoning = message.get("reasoning_content") if message["role"] == "assistant" else None
+    if reasoning is None:
+        return {}
+    if not isinstance(reasoning, str):
+        raise ApiError(f"messages[{i}].reasoning_content must be a string", param=f"messages[{i}].reasoning_content")
+    return {"reasoning_content": reasoning, "thinking": reasoning}
 
 
 def _tool_fields(i: int, message: dict) -> dict:
@@ -214,6 +226,11 @@ def _template(body: dict, messages: list[dict], tools: Tools | None) -> dict[str
     kwargs = _get(body, "chat_template_kwargs", (dict,), default={})
     if own := sorted(TEMPLATE_OWN & kwargs.keys()):
         raise ApiError(f"'chat_template_kwargs' may not set {', '.join(own)}", param="chat_template_kwargs")
+    effort = _get(
+        body, "reasoning_effort", (str,), check=REASONING_EFFORTS.__contains__, why=f"must be one of {', '.join(REASONING_EFFORTS)}"
+    )
+    if effort is not None:  # a template variable (GPT-OSS's reads it); chat_template_kwargs, which speak to the template, win
+        kwargs = {"reasoning_effort": effort, **kwargs}
     generation_prompt = _get(body, "add_generation_prompt", (bool,), default=True)
     continue_final = _get(body, "continue_final_message", (bool,), default=False)
     if continue_final and (generation_prompt or messages[-1]["role"] != "assistant"):

@@ -22,7 +22,11 @@ from runtime.structured.checks import Layout
 GUIDE_KINDS = ("json_schema", "json_object", "regex", "choice", "grammar", "tools")
 JSON_KINDS = ("json_schema", "json_object", "tools")  # whose strings keep to strict JSON (runtime.structured.checks)
 # tool-call output formats, as xgrammar's structural tags name them, by --tool-call-parser
-TOOL_FORMATS = {"hermes": "qwen_3", "qwen3": "qwen_3", "llama3_json": "llama"}
+TOOL_FORMATS = {"hermes": "qwen_3", "qwen3": "qwen_3", "llama3_json": "llama", "gpt-oss": "harmony"}
+# GPT-OSS's harmony: its markers (special tokens), a message of reasoning and what follows it, and a call's header
+HARMONY_MARKERS = ("<|start|>", "<|channel|>", "<|constrain|>", "<|message|>", "<|end|>", "<|call|>", "<|return|>")
+HARMONY_ANALYSIS = ("<|channel|>analysis<|message|>", "<|end|>", "<|start|>assistant")
+HARMONY_CALL = "<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>"
 # at most one whitespace character between JSON tokens: `{"a": 1}` and `{"a":1}` both pass, but a
 # model cannot stall in an endless run of blanks (which free JSON whitespace lets it do)
 MAX_WHITESPACE = 1
@@ -94,7 +98,9 @@ def _build(kind: str, spec: str) -> str:
 def _tool_tag(spec: dict[str, Any]) -> Any:
     """xgrammar's structural tag for a model's tool-call syntax, with each call's arguments held to
     its tool's parameter schema. xgrammar's `required` lets free text surround the calls; OpenAI's
-    means calls alone, so there its calls are taken without the text (one a line)."""
+    means calls alone, so there its calls are taken without the text (one a line). Harmony's is ringllm's own."""
+    if TOOL_FORMATS[spec["parser"]] == "harmony":
+        return _harmony_tag(spec)
     import xgrammar as xgr
     from xgrammar.structural_tag import Format, SequenceFormat, TagsWithSeparatorFormat, TriggeredTagsFormat
 
@@ -113,6 +119,50 @@ def _tool_tag(spec: dict[str, Any]) -> Any:
         parts[-1] = TagsWithSeparatorFormat(tags=calls.tags, separator="\n", at_least_one=True, stop_after_first=calls.stop_after_first)
         tag.format = SequenceFormat(elements=parts) if len(parts) > 1 else parts[0]
     return tag
+
+
+def _harmony_tag(spec: dict[str, Any]) -> Any:
+    """GPT-OSS's forced call: a message of reasoning if the output reasons, then one call's header,
+    `<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>`, and arguments valid for the tool's
+    schema. The markers are written as their text, which their special tokens match (xgrammar matches a token by
+    the text it decodes to). A call's closing <|call|> is left out: it is one of GPT-OSS's stop tokens, which a
+    grammar can end on but never match as text, so xgrammar's own harmony tag, which spells it, could never
+    finish a call. Its stop ends the turn, so there is one call, whatever parallel_tool_calls says."""
+    from xgrammar.structural_tag import (
+        AnyTextFormat,
+        ConstStringFormat,
+        Format,
+        JSONSchemaFormat,
+        OptionalFormat,
+        OrFormat,
+        SequenceFormat,
+        StructuralTag,
+        TagFormat,
+    )
+
+    functions = [tool["function"] for tool in spec["tools"]]
+    if isinstance(choice := spec["tool_choice"], dict):
+        functions = [f for f in functions if f["name"] == choice["function"]["name"]]
+    calls: list[Format] = [
+        SequenceFormat(
+            elements=[
+                ConstStringFormat(value=HARMONY_CALL.format(name=f["name"])),
+                # as xgrammar reads a tool's schema for the other formats: none, or strict false, holds it to JSON only
+                JSONSchemaFormat(
+                    json_schema=True if f.get("strict") is False or f.get("parameters") is None else f["parameters"],
+                    max_whitespace_cnt=MAX_WHITESPACE,
+                ),
+            ]
+        )
+        for f in functions
+    ]
+    call = calls[0] if len(calls) == 1 else OrFormat(elements=calls)
+    if spec["reasoning"]:
+        begin, end, then = HARMONY_ANALYSIS
+        text = AnyTextFormat(excludes=[marker for marker in HARMONY_MARKERS if marker != end])  # a message's text holds no marker
+        analysis = SequenceFormat(elements=[TagFormat(begin=begin, content=text, end=end), ConstStringFormat(value=then)])
+        call = SequenceFormat(elements=[OptionalFormat(content=analysis), call])
+    return StructuralTag(format=call)
 
 
 def _label(kind: str) -> str:
