@@ -343,8 +343,14 @@ class ApiWorker(Actor):
         for name in self.schedulers:
             gauges = self.control.slots[self.control.index(name)]["gauges"]
             replicas.append({g.name.lower(): int(gauges[g]) for g in SchedulerGauge})
+        engine = self.config["engine"]
         info = {
             "model": self.served_model,
+            # SGLang's names, which its router reads (`ringllm router`)
+            "served_model_name": self.served_model,
+            "model_path": self.config["model_dir"],
+            "tp_size": engine["tensor_parallel_size"],
+            "dp_size": self.config["data_parallel_size"],
             "max_model_len": self.max_model_len,
             "epoch": self.epoch,
             "kv_cache_dtype": self.kv_cache_dtype,

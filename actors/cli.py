@@ -1,4 +1,4 @@
-"""The `ringllm` command line: serve, status, chat, trace and bench."""
+"""The `ringllm` command line: serve, router, status, chat, trace and bench."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from pathlib import Path
 
 import orjson
 
+from actors import router
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
 from actors.pipeline import ServeConfig, kv_pool_segment, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
@@ -145,6 +146,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="json: one object per line (what `ringllm trace` reads); console: aligned text (default: %(default)s)",
     )
 
+    router.RouterConfig.add_cli_args(commands.add_parser("router", help="one OpenAI-compatible front over many servers (SGLang's router)"))
+
     st = commands.add_parser("status", help="list the actors of a running server")
     st.add_argument("--port", type=int, default=DEFAULT_PORT)
     st.add_argument("--json", action="store_true", help=f"a JSON list of objects with keys {', '.join(STATUS_KEYS)}")
@@ -176,6 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         return serve(args)
     if args.command == "trace":
         return trace.run(args)
+    if args.command == "router":
+        return router.run(args)
     if args.command == "chat":
         return asyncio.run(_chat(args.url, args.temperature))
     return status(args.port, args.json)

@@ -12,7 +12,7 @@ from pathlib import Path
 from actors.cli import build_parser
 
 PATH = Path(__file__).resolve().parent.parent / "docs" / "cli.md"
-COMMANDS = ("serve", "status", "chat", "trace")
+COMMANDS = ("serve", "router", "status", "chat", "trace")
 WIDTH = 110  # argparse wraps help to the terminal's COLUMNS; a fixed width keeps the page the same everywhere
 
 HEADER = """# Command-line reference

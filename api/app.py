@@ -544,6 +544,17 @@ class Handlers:
     async def server_info(self, request: web.Request) -> web.Response:
         return _json(self.gateway.server_info())
 
+    async def model_info(self, request: web.Request) -> web.Response:
+        """SGLang's /model_info: the model's folder (where its tokenizer is) and the name clients pass."""
+        model_dir = self.gateway.server_info()["model_path"]
+        info = {"model_path": model_dir, "tokenizer_path": model_dir, "served_model_name": self.gateway.served_model}
+        return _json(info | {"is_generation": True, "max_context_length": self.gateway.max_model_len})
+
+    async def load(self, request: web.Request) -> web.Response:
+        """SGLang's /get_load: the requests this server holds, running and queued (a router's power-of-two choice)."""
+        scheduler = self.gateway.server_info()["scheduler"]
+        return _json({"load": scheduler["running"] + scheduler["waiting"]})
+
     async def flush_cache(self, request: web.Request) -> web.Response:
         """SGLang's admin route: benchmarks run the same prompts again on a cold cache (warmed prefixes stay)."""
         return _json({"flushed_pages": await self.gateway.flush_cache()})
@@ -634,6 +645,11 @@ def build_app(gateway: Gateway) -> web.Application:
             web.get("/health/live", h.live),
             web.get("/version", h.version),
             web.get("/server_info", h.server_info),
+            # what SGLang's router (`ringllm router`) asks a worker: its model, older spellings, its load
+            web.get("/get_server_info", h.server_info),
+            web.get("/model_info", h.model_info),
+            web.get("/get_model_info", h.model_info),
+            web.get("/get_load", h.load),
             web.get("/metrics", h.metrics),
             web.post("/flush_cache", h.flush_cache),
             web.post("/warm_prefixes", h.warm_prefixes),

@@ -113,8 +113,8 @@ def _add_argument(parser: argparse.ArgumentParser, cls: type, f: dataclasses.Fie
             parser.add_argument(spec.inverse, action="store_false", **common)
         else:
             parser.add_argument(*_names(f), action="store_true", **common)
-    elif spec.parse is None and typing.get_origin(kind) is tuple:
-        parser.add_argument(*_names(f), action="append", type=typing.get_args(kind)[0], metavar=spec.metavar, **common)
+    elif spec.parse is None and typing.get_origin(kind) is tuple:  # `--x A B` and `--x A --x B` alike, as SGLang's and vLLM's lists
+        parser.add_argument(*_names(f), action="extend", nargs="+", type=typing.get_args(kind)[0], metavar=spec.metavar, **common)
     else:
         typed = {"type": kind, "default": default} if spec.parse is None else {}
         metavar = spec.metavar or (None if spec.choices else _names(f)[0].removeprefix("--").replace("-", "_").upper())

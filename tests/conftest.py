@@ -291,12 +291,12 @@ class Server:
         return time.monotonic() - started
 
 
-def launch(model_dir: Path, log: Path, *args: str, model: str = "model", ready: bool = True) -> Server:
+def launch(model_dir: Path, log: Path, *args: str, model: str = "model", ready: bool = True, port: int | None = None) -> Server:
     """`ringllm serve`, in float32 unless args say otherwise: tests compare with fp32 transformers. No warm
     spares unless asked for: on the 2-core machine their set-up would compete with each test's load
     (benchmarks.chaos, run by tests/test_recovery.py, and tests/test_supervisor.py cover them). `ready`:
-    return once it is ready, else at once."""
-    port = free_port()
+    return once it is ready, else at once. `port`: a free one unless given."""
+    port = port or free_port()
     if "--dtype" not in args:
         args = (*args, "--dtype", "float32")
     if "--warm-spares" not in args:

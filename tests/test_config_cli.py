@@ -187,3 +187,26 @@ def test_sglang_and_vllm_spellings_of_speculation_reach_the_same_fields(tiny_mod
     assert llm.config.speculative_disable_by_batch_size == 8
     with pytest.raises(ValueError, match="no key 'lookahead'"):
         LLM(tiny_model("llama"), speculative_config={"method": "ngram", "lookahead": 3})
+
+
+def test_every_router_flag_reaches_sglangs_router_by_name():
+    """`ringllm router`'s flags round-trip through its parser, and each reaches SGLang's RouterArgs field of its name."""
+    pytest.importorskip("sglang_router")
+    from actors.router import RouterConfig
+
+    values = {
+        "worker_urls": ("http://a:1", "http://b:2"),
+        "policy": "power_of_two",
+        "host": "0.0.0.0",
+        "api_key": "k",
+        "log_level": "debug",
+    }
+    config = RouterConfig(
+        **{f.name: values[f.name] if f.name in values else (f.default or 0) + 7 for f in dataclasses.fields(RouterConfig)}
+    )
+    assert all(getattr(config, f.name) != f.default for f in dataclasses.fields(RouterConfig))
+    assert RouterConfig.from_cli_args(build_parser().parse_args(["router", *config.to_cli_args()])) == config
+    args = config.router_args()
+    for f in dataclasses.fields(RouterConfig):
+        value = getattr(config, f.name)
+        assert getattr(args, f.name) == (list(value) if isinstance(value, tuple) else value), f.name
