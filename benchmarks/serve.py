@@ -225,7 +225,7 @@ def server_counts(before: dict[str, float], after: dict[str, float]) -> dict:
 async def first_model(http: aiohttp.ClientSession, base_url: str) -> str:
     async with http.get(f"{base_url}/v1/models") as reply:
         reply.raise_for_status()
-        return (await reply.json(loads=orjson.loads))["data"][0]["id"]
+        return (await reply.json(loads=orjson.loads, content_type=None))["data"][0]["id"]  # SGLang's router says text/plain
 
 
 # -- the run --------------------------------------------------------------------------------

@@ -81,12 +81,23 @@ def free_port() -> int:
 
 async def server_config(http: aiohttp.ClientSession, base_url: str = "") -> dict | None:
     """Every setting the server at `base_url` runs with (GET /server_info's "config"), so that a record holds
-    what ran rather than what its client asked for; None from a server that reports none."""
-    try:
-        async with http.get(f"{base_url}/server_info") as reply:
-            return (await reply.json(loads=orjson.loads)).get("config") if reply.status == 200 else None
-    except aiohttp.ClientError:
+    what ran rather than what its client asked for; behind `ringllm router` (SGLang's router, whose /workers lists
+    its workers) each worker's, by URL; None from a server that reports none."""
+    if (info := await _get_json(http, f"{base_url}/server_info")) is not None and "config" in info:
+        return info["config"]
+    if (listed := await _get_json(http, f"{base_url}/workers")) is None or "workers" not in listed:
         return None
+    return {"router_workers": {w["url"]: await server_config(http, w["url"]) for w in listed["workers"]}}
+
+
+async def _get_json(http: aiohttp.ClientSession, url: str) -> dict | None:
+    """The JSON body of a GET that answers 200 with a JSON object (SGLang's router labels some text/plain), else None."""
+    try:
+        async with http.get(url) as reply:
+            body = await reply.json(loads=orjson.loads, content_type=None) if reply.status == 200 else None
+    except (aiohttp.ClientError, orjson.JSONDecodeError):
+        return None
+    return body if isinstance(body, dict) else None
 
 
 class ServerExited(RuntimeError):

@@ -17,7 +17,7 @@ import aiohttp
 import psutil
 import pytest
 
-from benchmarks.server import stop_with_parent
+from benchmarks.server import server_config, stop_with_parent
 from tests.conftest import ROOT, Server, free_port, launch, wait_for
 
 pytest.importorskip("sglang_router")
@@ -111,6 +111,16 @@ async def stream(session: aiohttp.ClientSession, url: str, prompt: str, max_toke
 
 def taken(workers: list[Server]) -> list[int]:
     return [w.get("/server_info")["scheduler"]["taken"] for w in workers]
+
+
+def test_a_benchmark_through_the_router_records_each_workers_config(fleet):
+    async def read() -> dict | None:
+        async with aiohttp.ClientSession() as session:
+            return await server_config(session, fleet.router.url)
+
+    config = asyncio.run(read())
+    assert config is not None and set(config["router_workers"]) == {w.base_url for w in fleet.workers}
+    assert all(worker["port"] == int(url.rsplit(":", 1)[1]) for url, worker in config["router_workers"].items())
 
 
 def test_repeated_prefixes_reach_the_worker_that_caches_them(fleet):
