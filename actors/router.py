@@ -51,6 +51,12 @@ class RouterConfig(CliConfig):
     cb_timeout_duration_secs: int = field(default=5, metadata=flag("seconds an open circuit waits before it lets a request try"))
     request_timeout_secs: int = field(default=1800, metadata=flag("seconds a request may take"))
     worker_startup_timeout_secs: int = field(default=600, metadata=flag("seconds to wait for the first workers to be healthy"))
+    service_discovery: bool = field(
+        default=False, metadata=flag("in Kubernetes: take as workers the pods that --selector picks, as they come and go")
+    )
+    selector: tuple[str, ...] = field(default=(), metadata=flag("the pods' labels, KEY=VALUE", metavar="KEY=VALUE"))
+    service_discovery_port: int = field(default=80, metadata=flag("the port the picked pods serve on"))
+    service_discovery_namespace: str | None = field(default=None, metadata=flag("their namespace (default: every one the router may list)"))
     prometheus_port: int | None = field(default=None, metadata=flag("serve the per-worker metrics on this port (default: none)"))
     api_key: str | None = field(default=None, metadata=flag("the key the router sends to workers started with --api-key"))
     log_level: str = field(default="warn", metadata=flag("the router's log level", choices=("debug", "info", "warn", "error")))
@@ -60,7 +66,13 @@ class RouterConfig(CliConfig):
         from sglang_router.router_args import RouterArgs
 
         settings = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        fixed = {"worker_urls": list(self.worker_urls), "retry_backoff_multiplier": 2.0, "shutdown_grace_period_secs": 5}
+        selector = dict(label.split("=", 1) for label in self.selector)
+        fixed = {
+            "worker_urls": list(self.worker_urls),
+            "selector": selector,
+            "retry_backoff_multiplier": 2.0,
+            "shutdown_grace_period_secs": 5,
+        }
         return RouterArgs(**(settings | fixed))
 
 

@@ -200,6 +200,9 @@ def test_every_router_flag_reaches_sglangs_router_by_name():
         "host": "0.0.0.0",
         "api_key": "k",
         "log_level": "debug",
+        "service_discovery": True,
+        "selector": ("app=ringllm", "tier=gpu"),
+        "service_discovery_namespace": "ns",
     }
     config = RouterConfig(
         **{f.name: values[f.name] if f.name in values else (f.default or 0) + 7 for f in dataclasses.fields(RouterConfig)}
@@ -207,6 +210,8 @@ def test_every_router_flag_reaches_sglangs_router_by_name():
     assert all(getattr(config, f.name) != f.default for f in dataclasses.fields(RouterConfig))
     assert RouterConfig.from_cli_args(build_parser().parse_args(["router", *config.to_cli_args()])) == config
     args = config.router_args()
+    assert args.selector == {"app": "ringllm", "tier": "gpu"}
     for f in dataclasses.fields(RouterConfig):
         value = getattr(config, f.name)
-        assert getattr(args, f.name) == (list(value) if isinstance(value, tuple) else value), f.name
+        if f.name != "selector":
+            assert getattr(args, f.name) == (list(value) if isinstance(value, tuple) else value), f.name
