@@ -191,6 +191,7 @@ LONGEST_FILES = (
     "test_supervisor.py",
     "test_structured_output.py",
     "test_tensor_parallel.py",
+    "test_router_workers.py",
     "test_bench.py",
     "test_kv_tiers.py",
     "test_parity.py",
