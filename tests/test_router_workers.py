@@ -19,6 +19,7 @@ import pytest
 
 from benchmarks.server import server_config, stop_with_parent
 from tests.conftest import ROOT, Server, free_port, launch, wait_for
+from transport.segment import remove_segments, server_prefix
 
 pytest.importorskip("sglang_router")
 
@@ -38,7 +39,6 @@ class Router:
                 preexec_fn=stop_with_parent,
             )
         self.url = f"http://127.0.0.1:{self.port}"
-        wait_for(lambda: self.healthy() == WORKERS, 60, "the router and its workers")
 
     def workers(self) -> list[dict]:
         import urllib.request
@@ -56,18 +56,34 @@ class Router:
 
 
 class Fleet:
+    """Three workers and the router over them; stop() also sweeps each worker's segments, which one killed with
+    its whole process tree leaves behind (its restart at the same port sweeps them too)."""
+
     def __init__(self, model: Path, folder: Path) -> None:
         self.model, self.folder = model, folder
-        self.workers = [launch(model, folder / f"worker{i}.log", ready=False) for i in range(WORKERS)]
+        self.workers: list[Server] = []
+        self.router: Router | None = None
+
+    def start(self) -> Router:
+        self.workers = [launch(self.model, self.folder / f"worker{i}.log", ready=False) for i in range(WORKERS)]
         for w in self.workers:
             ready(w)
-        self.router = Router(self.workers, folder / "router.log")
+        router = self.router = Router(self.workers, self.folder / "router.log")
+        wait_for(lambda: router.healthy() == WORKERS, 60, "the router and its workers")
+        return router
+
+    @property
+    def started(self) -> Router:
+        assert self.router is not None
+        return self.router
 
     def stop(self) -> None:
-        self.router.proc.send_signal(signal.SIGINT)
-        self.router.proc.wait(15)
+        if self.router is not None:
+            self.router.proc.send_signal(signal.SIGINT)
+            self.router.proc.wait(15)
         for w in self.workers:
             w.stop()
+            remove_segments(server_prefix(str(w.port)))
 
 
 def ready(worker: Server) -> None:
@@ -79,6 +95,7 @@ def ready(worker: Server) -> None:
 def fleet(tiny_smol: Path, tmp_path_factory) -> Iterator[Fleet]:
     fleet = Fleet(tiny_smol, tmp_path_factory.mktemp("router"))
     try:
+        fleet.start()
         yield fleet
     finally:
         fleet.stop()
@@ -116,7 +133,7 @@ def taken(workers: list[Server]) -> list[int]:
 def test_a_benchmark_through_the_router_records_each_workers_config(fleet):
     async def read() -> dict | None:
         async with aiohttp.ClientSession() as session:
-            return await server_config(session, fleet.router.url)
+            return await server_config(session, fleet.started.url)
 
     config = asyncio.run(read())
     assert config is not None and set(config["router_workers"]) == {w.base_url for w in fleet.workers}
@@ -124,7 +141,7 @@ def test_a_benchmark_through_the_router_records_each_workers_config(fleet):
 
 
 def test_repeated_prefixes_reach_the_worker_that_caches_them(fleet):
-    router = fleet.router
+    router = fleet.started
     prefixes = [f"Document {i}: " + " ".join(f"word{i * 37 + j}" for j in range(60)) for i in range(9)]
 
     async def run() -> list[int]:
@@ -141,7 +158,7 @@ def test_repeated_prefixes_reach_the_worker_that_caches_them(fleet):
 
 
 def test_unique_prompts_spread_within_a_fifth_of_even(fleet):
-    router, workers = fleet.router, fleet.workers
+    router, workers = fleet.started, fleet.workers
     generator = random.Random(0)  # prompts that share no beginning: no prefix to follow
     prompts = [" ".join("".join(generator.choices(string.ascii_lowercase, k=6)) for _ in range(8)) for _ in range(60)]
     before = taken(workers)
@@ -157,7 +174,7 @@ def test_unique_prompts_spread_within_a_fifth_of_even(fleet):
 
 
 def test_a_killed_worker_loses_no_request_that_had_not_started_and_rejoins(fleet):
-    router, workers = fleet.router, fleet.workers
+    router, workers = fleet.started, fleet.workers
     victim = workers[0]
 
     async def run() -> list[dict]:
