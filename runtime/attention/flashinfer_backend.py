@@ -187,7 +187,6 @@ class FlashInferAttention:
         pool, spec = self.pool, self.spec
         kv_indptr = torch.from_numpy(meta.kv_indptr)
         indices = torch.from_numpy(meta.kv_indices).to(pool.device, non_blocking=True)
-        last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))
         if isinstance(wrapper, self.flashinfer.mla.BatchMLAPagedAttentionWrapper):
             latent = spec.latent  # the roped key part follows it in the pool's row
             wrapper.plan(
@@ -205,6 +204,7 @@ class FlashInferAttention:
                 pool.dtype,
             )
             return
+        last_page_len = torch.from_numpy(meta.last_page_lens(pool.page_size))  # MLA's plan takes whole lengths instead
         shape = (self.num_heads, pool.num_kv_heads, pool.head_dim, pool.page_size)
         # flashinfer's window_left: the keys before the query's own that it sees
         attention = {"sm_scale": spec.scale, "logits_soft_cap": spec.softcap, "window_left": window - 1 if window else -1}
