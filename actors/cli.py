@@ -64,7 +64,7 @@ def serve(args: argparse.Namespace) -> int:
             from runtime.config import ModelConfig
             from runtime.distributed import check_parallel
 
-            check_parallel(ModelConfig.load(Path(config.model_dir)), config.engine, config.data_parallel_size)
+            check_parallel(ModelConfig.load(Path(config.model_dir)), config.engine, config.data_parallel_size, config.nnodes)
         if kv_pool_segment(config, 0) is not None and (short := _shm_shortfall(config)):
             print(f"ringllm serve: warning: {short}", file=sys.stderr)
             config = dataclasses.replace(config, shared_kv_pool=False)

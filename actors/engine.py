@@ -8,7 +8,9 @@ a stamp older than --watchdog-timeout as a crash.
 A data-parallel replica's engine takes the devices after those of the replicas before it.
 Under tensor parallelism each rank is an engine actor: it joins its group at the rendezvous the
 supervisor names, runs every plan the scheduler sends it, and only rank 0 answers. The ranks move
-to a new epoch where their frames do, so they launch the same steps in the same order.
+to a new epoch where their frames do, so they launch the same steps in the same order. Where the
+group spans machines, the ranks past node 0 have no ring: rank 0 relays its frames to them
+(actors.relay), and they take their epochs from those frames alone.
 
 A step's duration (ringllm:step_duration_seconds) runs from when the device could start it (its
 launch, or the end of the step before it, whichever is later) to when its results are read. At
@@ -49,13 +51,15 @@ from actors.base import Actor
 from actors.frames import Adopt, Compile, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
-from actors.pipeline import pool_outlives_engine, scheduler_names
+from actors.pipeline import node_ranks, pool_outlives_engine, scheduler_names
+from actors.relay import FrameRelay
 from runtime.batch import StepAbandoned
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 from runtime.step import HeldKV
+from transport.ring import Frame
 from transport.segment import Segment
 
 log = structlog.get_logger()
@@ -80,8 +84,12 @@ class EngineActor(Actor):
         if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
-        device = rank_device(config.device, replica * config.tensor_parallel_size + self.rank)
+        local_rank = self.rank - node_ranks(serve).start
+        device = rank_device(config.device, replica * config.tensor_parallel_size + local_rank)
         tp = TensorParallel.join(self.rank, config, self.ctx.rendezvous, device)
+        self.relay = FrameRelay(tp, serve.nnodes) if serve.nnodes > 1 else None
+        if self.relay is not None and self.relay.follows:
+            self.epoch = 0  # node 0's epochs, from the first frame relayed: this node's control block counts its own
         if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
             torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
         self.threads = torch.get_num_threads()
@@ -108,6 +116,19 @@ class EngineActor(Actor):
         self.m_spec_accept = metrics().spec_accept_length.labels(str(replica))
         self.m_tier_bytes, self.m_tier_load = metrics().tier_bytes, metrics().tier_load.labels(str(replica))
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
+
+    async def _next_frame(self, timeout: float | None) -> tuple[str, Frame] | None:
+        """The next admitted frame within `timeout` (0: one already there): from the scheduler's ring, or on
+        a node past the first from rank 0's relay. Rank 0 relays each one it reads but pings, which are its own."""
+        if self.relay is not None and self.relay.follows:
+            while (frame := await self.relay.next(timeout)) is not None:
+                if self.admit(frame):
+                    return "relay", frame
+            return None
+        got = self.poll_frame() if timeout == 0 else await self.next_frame(timeout)
+        if got is not None and self.relay is not None and self.relay.leads and got[1].kind != Ping.KIND:
+            self.relay.forward(got[1])
+        return got
 
     def _kept_kv(self, address: str, size: int) -> torch.Tensor:
         self.kv_segment, memory = map_kept_pool(address, size)
@@ -141,7 +162,7 @@ class EngineActor(Actor):
             for rid, error in grammars.take_prepared():  # every rank compiles; rank 0 tells the scheduler
                 if self.rank == 0:
                     await self.send(self.scheduler, Compile(error=error), rid)
-            got = self.poll_frame() if self.in_flight else await self.next_frame(COMPILE_LOOK_S if grammars.waiting else None)
+            got = await self._next_frame(0 if self.in_flight else COMPILE_LOOK_S if grammars.waiting else None)
             if got is not None:
                 payload = decode(got[1])
                 if isinstance(payload, Ping):  # only rank 0 is pinged

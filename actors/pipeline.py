@@ -26,7 +26,7 @@ from api.chat_output import (
     TOOL_CALL_PARSER_ALIASES,
     TOOL_CALL_PARSERS,
 )
-from runtime.cli_args import CliConfig, flag
+from runtime.cli_args import CliConfig, flag, split_address
 from runtime.config import EngineConfig
 from runtime.scheduler.router import POLICIES
 from transport import env
@@ -128,6 +128,22 @@ class ServeConfig(CliConfig):
             choices=POLICIES,
         ),
     )
+    nnodes: int = field(
+        default=1, metadata=flag("machines one tensor-parallel group spans: --tp counts the ranks of them all, --tp / --nnodes on each")
+    )
+    node_rank: int = field(
+        default=0,
+        metadata=flag(
+            "this machine's place among --nnodes: node 0 runs the whole pipeline and the API, every other node its engine ranks only"
+        ),
+    )
+    dist_init_addr: str | None = field(
+        default=None,
+        metadata=flag(
+            "HOST:PORT on node 0 where the nodes meet (a TCP store node 0's supervisor serves); needed with --nnodes above 1",
+            ("--dist-init-addr", "--nccl-init-addr"),
+        ),
+    )
     warm_spares: bool = field(
         default=True,
         metadata=flag("keep a set-up tokenizer, scheduler, detokenizer (and CPU engine) asleep to replace one that dies", negatable=True),
@@ -195,6 +211,7 @@ class ServeConfig(CliConfig):
             raise ValueError(f"data_parallel_size must be at least 1, not {self.data_parallel_size}")
         if not self.stats_interval > 0:
             raise ValueError(f"stats_interval must be more than 0 seconds, not {self.stats_interval}")
+        self._check_nodes()
         if self.dp_policy not in POLICIES:
             raise ValueError(f"dp_policy must be one of {', '.join(POLICIES)}, not {self.dp_policy!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -205,6 +222,20 @@ class ServeConfig(CliConfig):
             raise ValueError("standby_engine needs a GPU, one rank, warm spares and a kept KV pool (a CPU engine has a spare anyway)")
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
+
+    def _check_nodes(self) -> None:
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be from 0 to nnodes - 1 ({self.nnodes - 1}), not {self.node_rank}")
+        if self.dist_init_addr is not None:
+            split_address(self.dist_init_addr)
+        if self.nnodes == 1:
+            return
+        if self.dist_init_addr is None:
+            raise ValueError("nnodes above 1 needs dist_init_addr (--dist-init-addr HOST:PORT on node 0)")
+        if self.engine.tensor_parallel_size % self.nnodes:
+            raise ValueError(f"tensor_parallel_size {self.engine.tensor_parallel_size} does not split over {self.nnodes} nodes")
+        if self.data_parallel_size > 1:
+            raise ValueError("replicas do not span nodes: run one server per replica behind `ringllm router`")
 
     def _name_parsers(self) -> None:
         """Each parser by its one name (vLLM's spellings are read as SGLang's). Harmony is one format whose reasoning
@@ -258,12 +289,19 @@ def scheduler_names(config: ServeConfig) -> list[str]:
     return _per_replica(config, "scheduler")
 
 
+def node_ranks(config: ServeConfig) -> range:
+    """The tensor-parallel ranks this node runs: all of them on one machine, --tp / --nnodes on each of many."""
+    per_node = config.engine.tensor_parallel_size // config.nnodes
+    return range(config.node_rank * per_node, (config.node_rank + 1) * per_node)
+
+
 def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
-    """A replica's engine processes, rank 0 first: engine, engine{rank}, engine{replica} or engine{replica}.{rank}."""
+    """A replica's engine processes on this node, lowest rank first: engine, engine{rank}, engine{replica} or
+    engine{replica}.{rank}."""
     ranks, replicas = config.engine.tensor_parallel_size, config.data_parallel_size
     if replicas == 1:
-        return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in range(ranks)]
-    return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in range(ranks)]
+        return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in node_ranks(config)]
+    return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in node_ranks(config)]
 
 
 def pool_outlives_engine(config: ServeConfig) -> bool:
@@ -294,36 +332,45 @@ def keeper_socket(replica: int) -> str:
     return f"keeper{replica}.sock"
 
 
-def pipeline(config: ServeConfig) -> Topology:
-    options = {"serve": config}
-    workers, schedulers = api_worker_names(config), scheduler_names(config)
+def _engines(config: ServeConfig, replica: int) -> list[ActorSpec]:
+    """A replica's engine ranks on this node."""
     ranks, outlives, keepers = config.engine.tensor_parallel_size, pool_outlives_engine(config), keeper_names(config)
+    return [
+        ActorSpec(
+            name,
+            "engine",
+            "actors.engine:EngineActor",
+            {"serve": config, "replica": replica, "rank": rank},
+            torch_threads=True,
+            preload=("torch",),
+            watchdog_s=config.watchdog_timeout,
+            group=f"engines{replica if config.data_parallel_size > 1 else ''}" if ranks > 1 else None,
+            # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request
+            # (ServeConfig allows a standby only over a kept pool: it could not hold a second one)
+            spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or config.engine.standby_engine),
+            keeps_epoch=outlives,
+            needs=keepers[replica] if outlives else None,
+        )
+        for rank, name in zip(node_ranks(config), engine_names(config, replica))
+    ]
+
+
+def pipeline(config: ServeConfig) -> Topology:
+    """The actors of this node: on node 0 (or the only one) the whole pipeline; on every other node of a group
+    spanning machines its engine ranks alone, which rank 0 feeds (actors.relay)."""
+    meeting = config.dist_init_addr if config.nnodes > 1 else None
+    if config.node_rank > 0:
+        return Topology(str(config.port), tuple(_engines(config, 0)), meeting=meeting, node_rank=config.node_rank)
+    options = {"serve": config}
+    workers, schedulers, keepers = api_worker_names(config), scheduler_names(config), keeper_names(config)
     engines: list[ActorSpec] = []
     edges: list[Edge] = [Edge(name, "tokenizer") for name in workers]
     for replica, scheduler in enumerate(schedulers):
-        names = engine_names(config, replica)
-        engines += [
-            ActorSpec(
-                name,
-                "engine",
-                "actors.engine:EngineActor",
-                {**options, "replica": replica, "rank": rank},
-                torch_threads=True,
-                preload=("torch",),
-                watchdog_s=config.watchdog_timeout,
-                group=f"engines{replica if len(schedulers) > 1 else ''}" if ranks > 1 else None,
-                # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request
-                # (ServeConfig allows a standby only over a kept pool: it could not hold a second one)
-                spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or config.engine.standby_engine),
-                keeps_epoch=outlives,
-                needs=keepers[replica] if outlives else None,
-            )
-            for rank, name in enumerate(names)
-        ]
+        engines += (local := _engines(config, replica))
         edges += [
             Edge("tokenizer", scheduler, 16 << 20),
-            *(Edge(scheduler, name, 16 << 20) for name in names),  # a plan carries the histories of the slots it opens
-            Edge(names[0], scheduler),
+            *(Edge(scheduler, spec.name, 16 << 20) for spec in local),  # a plan carries the histories of the slots it opens
+            Edge(local[0].name, scheduler),
             Edge(scheduler, "detokenizer"),
         ]
     edges += [Edge("detokenizer", name) for name in workers]
@@ -350,4 +397,4 @@ def pipeline(config: ServeConfig) -> Topology:
         for name in (kv_pool_segment(config, r), kv_host_segment(config, r), keeper_socket(r))
         if name is not None
     )
-    return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept)
+    return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept, meeting=meeting)

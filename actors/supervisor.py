@@ -14,6 +14,9 @@ Start-up handles a death the same way, up to `startup_retries` times per actor; 
 
 Actors are forked by a forkserver (actors.forkserver) but are the supervisor's children, a child
 subreaper: a forkserver's death takes none with it, and another forkserver starts at once.
+
+A group that spans machines (Topology.meeting) has a supervisor on each; they agree on its starts
+through node 0's store (actors.nodes).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from actors.base import ActorContext, Standby, actor_main
 from actors.control import SPARE_STARTING, ActorState, ControlBlock, pid_alive
 from actors.forkserver import Child, Forkserver
 from actors.gauges import PROGRESS_GAUGE
+from actors.nodes import GroupStore, NodeStoreError
 from actors.topology import DEFAULT_PORT, Topology
 from runtime.cli_args import CliConfig, flag
 from runtime.obs.logs import configure_logging
@@ -125,6 +129,7 @@ class Supervisor:
         self._taken_down: set[int] = set()  # actors the supervisor killed for another's death (a group, ActorSpec.needs)
         # how often each group (ActorSpec.group) has been started: names its rendezvous
         self._group_starts = {actor.group: 1 for actor in topology.actors if actor.group is not None}
+        self._nodes: GroupStore | None = None  # where a group spans machines: the nodes' agreement on its starts
         self._stopping = False
         self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
@@ -150,6 +155,9 @@ class Supervisor:
             self.watch()
         except StartupError as exc:
             log.error("startup_failed", error=str(exc))
+            return 1
+        except NodeStoreError as exc:
+            log.error("node_store_failed", error=str(exc))
             return 1
         finally:
             self.stop()
@@ -188,6 +196,9 @@ class Supervisor:
         for spec in self.topology.actors:  # each actor's count exported at 0 from the start, as Prometheus advises
             metrics().restarts.labels(spec.name)
         self._control = ControlBlock.create(self.topology)
+        if (meeting := self.topology.meeting) is not None:
+            self._nodes = GroupStore(meeting, self.topology.node_rank, self._group_starts, self.config.ready_timeout_s)
+            self._group_starts = {group: self._nodes.start(group) for group in self._group_starts}
         for edge in self.topology.edges:
             self._rings[edge.src, edge.dst] = Ring(self.topology.ring_name(edge), edge.capacity)
         self._doorbells = [Doorbell() for _ in self.topology.actors]
@@ -259,6 +270,7 @@ class Supervisor:
         self._reap_strays()
 
     def _start_due(self) -> None:
+        self._follow_nodes()
         now = time.monotonic()
         for index, due in list(self._restart_at.items()):
             if due <= now:
@@ -341,7 +353,7 @@ class Supervisor:
             outputs={dst: ring.handle for (src, dst), ring in self._rings.items() if src == spec.name},
             doorbell=self._doorbells[index],
             heartbeat_s=self.config.heartbeat_s,
-            rendezvous=None if spec.group is None else str(SHM_DIR / self._rendezvous(spec.group)),
+            rendezvous=None if spec.group is None else self._meeting_place(spec.group),
             standby=standby,
         )
         return self._forkserver.spawn(actor_main, ctx)
@@ -431,14 +443,44 @@ class Supervisor:
                 self._restart_at[index] = time.monotonic() + delay
             return
         if live := [m for m in members if m in self._procs]:
-            for member in live:  # each exit comes back here; the last one restarts the group
-                self._procs[member].kill()
-                self._taken_down.add(member)
+            self._take_down(live)  # each exit comes back here; the last one restarts the group
+            return
+        if self._nodes is not None and not self._nodes.leads:  # node 0 restarts it; _follow_nodes starts ours then
+            self._nodes.report_failure(group, self._group_starts[group])
             return
         unlink_segment(self._rendezvous(group))
         self._group_starts[group] += 1
+        if self._nodes is not None:
+            self._nodes.announce(group, self._group_starts[group])
         for member in members:
             self._restart_at[member] = time.monotonic() + delay
+
+    def _take_down(self, members: list[int]) -> None:
+        for member in members:
+            if member not in self._taken_down:
+                self._procs[member].kill()
+                self._taken_down.add(member)
+
+    def _follow_nodes(self) -> None:
+        """Where a group spans machines: node 0 takes its ranks down when another node reports a death in the
+        current start (their exits restart the group); every other node starts its ranks at each new start
+        node 0 announces, once those of the start before are gone."""
+        if self._nodes is None:
+            return
+        for group, start in self._group_starts.items():
+            members = self._members(group)
+            live = [m for m in members if m in self._procs]
+            if self._nodes.leads:
+                if live and self._nodes.failed(group) == start:
+                    log.warning("group_failed_elsewhere", group=group, start=start)
+                    self._take_down(live)
+            elif (latest := self._nodes.start(group)) != start:
+                if live:
+                    self._take_down(live)
+                    continue
+                self._group_starts[group] = latest
+                for member in members:
+                    self._restart_at[member] = time.monotonic()
 
     def _restart_dependents(self, index: int) -> None:
         """The actors that map what the dead one held (ActorSpec.needs) go with it, spares included, and
@@ -461,6 +503,12 @@ class Supervisor:
     def _rendezvous(self, group: str) -> str:
         """The name in SHM_DIR where this start of the group meets (torch.distributed's FileStore)."""
         return f"{self.topology.prefix}{group}-{self._group_starts[group]}"
+
+    def _meeting_place(self, group: str) -> str:
+        """Where the ranks of this start of the group meet: node 0's store if it spans machines, else a file."""
+        if self._nodes is not None:
+            return self._nodes.rendezvous(group, self._group_starts[group])
+        return str(SHM_DIR / self._rendezvous(group))
 
     def _kill_hung(self) -> None:
         """Kill an actor not ready after ready_timeout_s, a ready one whose heartbeat is older than

@@ -56,6 +56,9 @@ class Topology:
     actors: tuple[ActorSpec, ...]
     edges: tuple[Edge, ...] = ()
     kept: tuple[str, ...] = ()  # segments (after the prefix) that actors share and that outlive them: unlinked at stop
+    # HOST:PORT where the supervisors of the nodes a group spans agree on its starts (actors.nodes); None: one node
+    meeting: str | None = None
+    node_rank: int = 0  # this node's place among them: node 0 leads
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.actors]

@@ -148,3 +148,11 @@ def _written(f: dataclasses.Field, value: Any) -> list[str]:
     if isinstance(value, tuple):
         return [f"{first}={item}" for item in value]
     return [f"{first}={value}"]
+
+
+def split_address(address: str) -> tuple[str, int]:
+    """HOST:PORT (an IPv6 host in brackets) as (host, port)."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"an address is HOST:PORT, not {address!r}")
+    return host.strip("[]"), int(port)

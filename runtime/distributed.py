@@ -12,11 +12,14 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import FileStore, PrefixStore, Store, TCPStore  # pyright: ignore[reportPrivateImportUsage]  (no __all__)
 
+from runtime.cli_args import split_address
 from runtime.config import EngineConfig, ModelConfig
 
 # ranks' tensors stacked by rows into one; torch renamed it (2.13 deprecates the old name)
@@ -57,21 +60,23 @@ class TensorParallel:
 
     @staticmethod
     def join(rank: int, config: EngineConfig, rendezvous: str | None, device: torch.device) -> TensorParallel:
-        """Join the group of config.tensor_parallel_size ranks that meets at `rendezvous`, a file every
-        rank of it opens (torch's FileStore; None for a single rank, which meets no one). On CPU the ranks
-        share the cores: each computes with its share of them."""
+        """Join the group of config.tensor_parallel_size ranks that meets at `rendezvous` (see
+        `meeting_store`; None for a single rank, which meets no one). On CPU the ranks share the cores:
+        each computes with its share of them."""
         size = config.tensor_parallel_size
         if dist.is_initialized():  # a closed LLM's group, its other ranks gone
             dist.destroy_process_group()
         if size == 1:
             return SINGLE
+        assert rendezvous is not None
+        store = meeting_store(rendezvous, size)
         if device.type == "cuda":
             torch.cuda.set_device(device)
-            dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=rank, world_size=size, device_id=device)
+            dist.init_process_group("nccl", store=store, rank=rank, world_size=size, device_id=device)
             one_shot = OneShotAllReduce(device) if config.custom_all_reduce else None
             return TensorParallel(rank, size, dist.new_group(backend="gloo"), one_shot)
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // size))
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=size)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=size)
         return TensorParallel(rank, size)
 
     def broadcast(self, obj: Any) -> Any:
@@ -114,6 +119,17 @@ class TensorParallel:
 
 
 SINGLE = TensorParallel()
+MEETING_TIMEOUT = timedelta(minutes=10)  # how long a rank waits for the others of its group (a peer may load weights)
+
+
+def meeting_store(rendezvous: str, size: int) -> Store:
+    """Where a group's ranks meet: a file every rank opens (torch's FileStore), or, across nodes,
+    "tcp://HOST:PORT/NAME", the keys under NAME of the TCPStore that node 0 serves at HOST:PORT."""
+    if not rendezvous.startswith("tcp://"):
+        return FileStore(rendezvous, size)
+    address, _, name = rendezvous.removeprefix("tcp://").partition("/")
+    host, port = split_address(address)
+    return PrefixStore(name, TCPStore(host, port, is_master=False, timeout=MEETING_TIMEOUT))
 
 
 def rank_device(device: str, index: int) -> torch.device:
@@ -122,9 +138,9 @@ def rank_device(device: str, index: int) -> torch.device:
     return torch.device("cuda", (base.index or 0) + index) if base.type == "cuda" else base
 
 
-def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) -> None:
+def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1, nodes: int = 1) -> None:
     """Refuse, before anything loads, a split the model or the machine cannot take (`replicas` engines
-    of tensor_parallel_size ranks each)."""
+    of tensor_parallel_size ranks each, spread over `nodes` machines)."""
     size = config.tensor_parallel_size
     if cfg.num_heads % size:
         raise ValueError(f"the model's {cfg.num_heads} attention heads do not split over tensor_parallel_size {size}")
@@ -136,9 +152,9 @@ def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1) ->
         raise ValueError(f"the experts' intermediate size {cfg.moe.intermediate_size} does not split over tensor_parallel_size {size}")
     cuda = config.device.startswith("cuda")
     if cuda:
-        first, devices = torch.device(config.device).index or 0, replicas * size
+        first, devices = torch.device(config.device).index or 0, replicas * size // nodes
         if first + devices > (have := torch.cuda.device_count()):
-            what = f"{replicas} replicas of {size} tensor-parallel ranks" if replicas > 1 else f"{size} tensor-parallel ranks"
+            what = f"{replicas} replicas of {size} tensor-parallel ranks" if replicas > 1 else f"{devices} tensor-parallel ranks"
             raise ValueError(
                 f"{what} need {devices} GPUs from cuda:{first}; "
                 f"{have} visible (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', 'unset')})"

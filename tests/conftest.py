@@ -3,6 +3,7 @@ any test leaving a ringllm segment in /dev/shm or a child process behind."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import signal
 import socket
@@ -93,12 +94,25 @@ def leak_guard() -> Iterator[None]:
         pytest.fail(f"test left shared-memory segments: {leaked}")
 
 
+_PORTS_PER_WORKER = 2000
+_next_port = itertools.count(20000 + _PORTS_PER_WORKER * int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:]))
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    _our_ports.add(str(port))
-    return port
+    """A TCP port no other test of this run is handed. Each xdist worker counts up through its own range below the
+    kernel's ephemeral ports, so a port a test frees (a killed server it restarts at the same URL) and the segments
+    named after it stay that test's; ports in use or with segments left by another run are skipped."""
+    while True:
+        port = next(_next_port)
+        if list_segments(server_prefix(str(port))):
+            continue
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _our_ports.add(str(port))
+        return port
 
 
 @pytest.fixture

@@ -57,6 +57,7 @@ ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "k
 ALONE |= {"enable_prefix_cache": True, "hierarchical_cache": True, "hicache_ratio": 3.0, "hicache_size": 4.0}
 ALONE |= {"hicache_write_policy": "write_back", "hicache_storage_backend": "file", "hicache_storage_dir": "/var/kv"}
 ALONE |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/models/draft"}
+NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}  # a second node of a group
 SERVE = {
     "served_model_name": "served",
     "host": "0.0.0.0",
@@ -88,12 +89,13 @@ SERVE = {
 
 
 def configs(model_dir: Path) -> list[ServeConfig]:
-    """Two servers that between them set every field of ServeConfig and EngineConfig to a value not its default."""
+    """Servers that between them set every field of ServeConfig and EngineConfig to a value not its default."""
     return [
         ServeConfig(model_dir=str(model_dir), **SERVE, engine=EngineConfig(**ENGINE)),
         ServeConfig(
             model_dir=str(model_dir), **{**SERVE, "warm_spares": True, "shared_kv_pool": True}, engine=EngineConfig(**ENGINE | ALONE)
         ),
+        ServeConfig(model_dir=str(model_dir), **{**SERVE, **NODE}, engine=EngineConfig(**ENGINE)),
     ]
 
 

@@ -63,21 +63,22 @@ class FrameReleased(RuntimeError):
 class Frame:
     """One received frame. `payload` views ring memory and is valid until the reader's next receive
     (or `release`); after that it refuses to be read, since the writer may have reused the space.
-    Copy or decode what must outlive it, arrays taken from the payload included."""
+    Copy or decode what must outlive it, arrays taken from the payload included. A frame without a
+    reader owns its bytes (one that came over a socket) and stays readable."""
 
     __slots__ = ("kind", "epoch", "rid", "_view", "_reader", "_generation")
 
-    def __init__(self, kind: int, epoch: int, rid: int, view: memoryview, reader: RingReader) -> None:
+    def __init__(self, kind: int, epoch: int, rid: int, view: memoryview, reader: RingReader | None = None) -> None:
         self.kind, self.epoch, self.rid, self._view = kind, epoch, rid, view
-        self._reader, self._generation = reader, reader.generation
+        self._reader, self._generation = reader, 0 if reader is None else reader.generation
 
     @property
     def released(self) -> bool:
-        return self._generation != self._reader.generation
+        return self._reader is not None and self._generation != self._reader.generation
 
     @property
     def payload(self) -> memoryview:
-        if self._generation != self._reader.generation:
+        if self.released:
             raise FrameReleased(f"{self!r} was read after its reader's next receive released it")
         return self._view
 
