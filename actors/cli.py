@@ -13,7 +13,7 @@ import orjson
 
 from actors import router
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
-from actors.pipeline import ServeConfig, kv_pool_segment, pipeline
+from actors.pipeline import ServeConfig, engine_units, kv_pool_segment, pipeline
 from actors.supervisor import Supervisor, SupervisorConfig
 from actors.topology import DEFAULT_PORT
 from runtime.obs import trace
@@ -60,12 +60,14 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = ServeConfig.from_cli_args(args)
         supervisor = SupervisorConfig.from_cli_args(args)
-        if config.engine.tensor_parallel_size > 1 or config.data_parallel_size > 1:  # torch only for a split or replicas
+        if config.engine.tensor_parallel_size > 1 or engine_units(config) > 1:  # torch only for a split or replicas
             from runtime.config import ModelConfig
             from runtime.distributed import check_parallel
 
-            check_parallel(ModelConfig.load(Path(config.model_dir)), config.engine, config.data_parallel_size, config.nnodes)
+            check_parallel(ModelConfig.load(Path(config.model_dir)), config.engine, engine_units(config), config.nnodes)
         if kv_pool_segment(config, 0) is not None and (short := _shm_shortfall(config)):
+            if config.engine.pd:  # its decode engine maps the prefill engine's kept pool
+                raise ValueError(short)
             print(f"ringllm serve: warning: {short}", file=sys.stderr)
             config = dataclasses.replace(config, shared_kv_pool=False)
     except (ValueError, OSError) as exc:  # before any process starts (OSError: an unreadable --warm-prefixes)
@@ -79,7 +81,7 @@ def _shm_shortfall(config: ServeConfig) -> str | None:
     cannot), or None when it can."""
     from runtime.config import ModelConfig
 
-    need = config.data_parallel_size * config.engine.cpu_pool_bytes(ModelConfig.load(Path(config.model_dir))) + SHM_RING_ROOM
+    need = engine_units(config) * config.engine.cpu_pool_bytes(ModelConfig.load(Path(config.model_dir))) + SHM_RING_ROOM
     if (free := shutil.disk_usage(SHM_DIR).free) >= need:
         return None
     return (

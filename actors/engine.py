@@ -51,7 +51,7 @@ from actors.base import Actor
 from actors.frames import Adopt, Compile, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
-from actors.pipeline import node_ranks, pool_outlives_engine, scheduler_names
+from actors.pipeline import engine_names, engine_units, node_ranks, pool_outlives_engine, unit_role
 from actors.relay import FrameRelay
 from runtime.batch import StepAbandoned
 from runtime.distributed import TensorParallel, rank_device
@@ -80,7 +80,7 @@ class EngineActor(Actor):
     async def setup(self) -> None:
         serve = self.options["serve"]
         config, self.rank, replica = serve.engine, self.options["rank"], self.options["replica"]
-        self.scheduler = scheduler_names(serve)[replica]
+        self.scheduler = self.options["scheduler"]
         if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
@@ -90,8 +90,8 @@ class EngineActor(Actor):
         self.relay = FrameRelay(tp, serve.nnodes) if serve.nnodes > 1 else None
         if self.relay is not None and self.relay.follows:
             self.epoch = 0  # node 0's epochs, from the first frame relayed: this node's control block counts its own
-        if device.type == "cpu" and serve.data_parallel_size > 1:  # the replicas' engines share the cores
-            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (serve.data_parallel_size * tp.size)))
+        if device.type == "cpu" and (units := engine_units(serve)) > 1:  # the replicas' (or --pd's two) engines share the cores
+            torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // (units * tp.size)))
         self.threads = torch.get_num_threads()
         if device.type == "cpu" and self.ctx.standby is not None:  # a spare sets up beside the live engine: on one core
             torch.set_num_threads(1)
@@ -104,6 +104,9 @@ class EngineActor(Actor):
             kv_memory = functools.partial(self._kept_kv, address)
             host_memory = functools.partial(self._kept_host, address) if config.hierarchical_cache else None
         self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory, host_memory)
+        self.peer_segment: Segment | None = None  # under --pd, the prefill pool's mapping on CPU, held by the decode engine
+        if unit_role(serve, replica) == "decode":
+            self._map_prefill_pool()
         self.synced = False  # plans before the scheduler's next resync were meant for an engine before this one
         self.held: list[HeldKV] = []  # the pool's KV of the epoch before (Engine.reset), until a scheduler adopts it
         if device.type == "cpu":  # launch runs the whole step: beat through it, and cut it short in a new epoch
@@ -115,6 +118,7 @@ class EngineActor(Actor):
         self.m_spec_verify = metrics().spec_verify.labels(str(replica))
         self.m_spec_accept = metrics().spec_accept_length.labels(str(replica))
         self.m_tier_bytes, self.m_tier_load = metrics().tier_bytes, metrics().tier_load.labels(str(replica))
+        self.m_transfer_bytes, self.m_transfer = metrics().pd_transfer_bytes, metrics().pd_transfer
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
 
     async def _next_frame(self, timeout: float | None) -> tuple[str, Frame] | None:
@@ -129,6 +133,21 @@ class EngineActor(Actor):
         if got is not None and self.relay is not None and self.relay.leads and got[1].kind != Ping.KIND:
             self.relay.forward(got[1])
         return got
+
+    def _map_prefill_pool(self) -> None:
+        """The prefill engine's KV pool, which this decode engine copies handed-over requests' KV from (its keeper
+        holds it, so it outlives either engine); sized by the prefill engine's pages, once it has said them."""
+        prefill = self.control.slots[self.control.index(engine_names(self.options["serve"], 0)[0])]
+        while not (pages := int(prefill["gauges"][EngineGauge.POOL])):
+            time.sleep(0.05)
+        address = keeper_address(self.ctx.server, 0)
+        wait_for_keeper(address)
+
+        def memory(size: int) -> torch.Tensor:
+            self.peer_segment, kept = map_kept_pool(address, size)
+            return kept
+
+        self.engine.map_peer(pages, memory)
 
     def _kept_kv(self, address: str, size: int) -> torch.Tensor:
         self.kv_segment, memory = map_kept_pool(address, size)
@@ -235,6 +254,8 @@ class EngineActor(Actor):
             self.slot["gauges"][EngineGauge.PROGRESS] = now if self.in_flight else 0.0
             if self.engine.tiers is not None:
                 self._publish_tier_stats()
+            if self.engine.peer is not None:
+                self._publish_transfers()
             if self.rank == 0:
                 await self.send(self.scheduler, StepResults(done.step, results), done.step)
                 if now - self.load_since >= self.stats_interval:
@@ -248,6 +269,12 @@ class EngineActor(Actor):
                 self.m_tier_bytes.labels(str(self.replica), direction).inc(count)
         for elapsed in seconds:
             self.m_tier_load.observe(elapsed)
+
+    def _publish_transfers(self) -> None:
+        """A decode engine's copies from the prefill engine's pool (--pd): bytes, and each request's time."""
+        for size, seconds in self.engine.take_imports():
+            self.m_transfer_bytes.inc(size)
+            self.m_transfer.observe(seconds)
 
     def _publish_expert_load(self, now: float) -> None:
         """The routing counts since the last call, for /server_info and /metrics (MoE models only)."""

@@ -4,7 +4,10 @@ and beside each engine its keeper, which holds the KV pool (actors.keeper).
 Under tensor parallelism an engine is N rank processes (one group): the scheduler sends each plan
 to every rank, and rank 0 answers. Under data parallelism there are M replicas, each a scheduler
 and its engine (group), with its own KV pool and prefix cache; the tokenizer places each request on
-one (runtime.scheduler.router) and every replica's tokens meet at the one detokenizer."""
+one (runtime.scheduler.router) and every replica's tokens meet at the one detokenizer. Under --pd
+the one scheduler plans two engines, each with its keeper: a prefill one and a decode one
+(runtime.scheduler.disaggregated). Each KV pool, with its engine (group) and keeper, is a unit.
+Where a group spans machines, each node runs its share of it (node_ranks)."""
 
 from __future__ import annotations
 
@@ -28,6 +31,7 @@ from api.chat_output import (
 )
 from runtime.cli_args import CliConfig, flag, split_address
 from runtime.config import EngineConfig
+from runtime.scheduler.disaggregated import ROLES
 from runtime.scheduler.router import POLICIES
 from transport import env
 
@@ -220,6 +224,10 @@ class ServeConfig(CliConfig):
             raise ValueError("warm_prefixes must be a list of non-empty texts or token-id lists")
         if self.engine.standby_engine and not (self.warm_spares and pool_outlives_engine(self) and self.engine.device != "cpu"):
             raise ValueError("standby_engine needs a GPU, one rank, warm spares and a kept KV pool (a CPU engine has a spare anyway)")
+        if self.engine.pd and (self.data_parallel_size > 1 or not self.shared_kv_pool):
+            raise ValueError(
+                "prefill-decode disaggregation runs one replica, over kept KV pools (the decode engine maps the prefill one's)"
+            )
         if self.reasoning_parser not in (None, *REASONING_PARSERS):
             raise ValueError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, not {self.reasoning_parser!r}")
 
@@ -236,6 +244,8 @@ class ServeConfig(CliConfig):
             raise ValueError(f"tensor_parallel_size {self.engine.tensor_parallel_size} does not split over {self.nnodes} nodes")
         if self.data_parallel_size > 1:
             raise ValueError("replicas do not span nodes: run one server per replica behind `ringllm router`")
+        if self.engine.pd:
+            raise ValueError("prefill-decode disaggregation runs on one node")
 
     def _name_parsers(self) -> None:
         """Each parser by its one name (vLLM's spellings are read as SGLang's). Harmony is one format whose reasoning
@@ -279,14 +289,30 @@ def api_worker_names(config: ServeConfig) -> list[str]:
     return [f"api{i}" for i in range(config.api_workers)]
 
 
-def _per_replica(config: ServeConfig, name: str) -> list[str]:
-    """One per replica: NAME, or NAME0..NAMEM-1."""
-    replicas = config.data_parallel_size
-    return [name] if replicas == 1 else [f"{name}{r}" for r in range(replicas)]
+def _numbered(name: str, count: int) -> list[str]:
+    """NAME, or NAME0..NAME{count-1}."""
+    return [name] if count == 1 else [f"{name}{i}" for i in range(count)]
 
 
 def scheduler_names(config: ServeConfig) -> list[str]:
-    return _per_replica(config, "scheduler")
+    """One per replica."""
+    return _numbered("scheduler", config.data_parallel_size)
+
+
+def engine_units(config: ServeConfig) -> int:
+    """The KV pools, each with its engine (group) and keeper: one per replica, or under --pd a prefill one (unit 0)
+    and a decode one (unit 1), both planned by the one scheduler."""
+    return len(ROLES) if config.engine.pd else config.data_parallel_size
+
+
+def unit_role(config: ServeConfig, unit: int) -> str | None:
+    """Under --pd, what the unit's engine does (runtime.scheduler.disaggregated.ROLES); else None."""
+    return ROLES[unit] if config.engine.pd else None
+
+
+def unit_scheduler(config: ServeConfig, unit: int) -> str:
+    """The scheduler that plans the unit's steps."""
+    return scheduler_names(config)[0 if config.engine.pd else unit]
 
 
 def node_ranks(config: ServeConfig) -> range:
@@ -296,9 +322,11 @@ def node_ranks(config: ServeConfig) -> range:
 
 
 def engine_names(config: ServeConfig, replica: int = 0) -> list[str]:
-    """A replica's engine processes on this node, lowest rank first: engine, engine{rank}, engine{replica} or
-    engine{replica}.{rank}."""
+    """A unit's engine processes on this node, lowest rank first: engine, engine{rank}, engine{replica} or
+    engine{replica}.{rank}; under --pd, prefill or decode."""
     ranks, replicas = config.engine.tensor_parallel_size, config.data_parallel_size
+    if (role := unit_role(config, replica)) is not None:
+        return [role]
     if replicas == 1:
         return ["engine"] if ranks == 1 else [f"engine{rank}" for rank in node_ranks(config)]
     return [f"engine{replica}"] if ranks == 1 else [f"engine{replica}.{rank}" for rank in node_ranks(config)]
@@ -311,8 +339,14 @@ def pool_outlives_engine(config: ServeConfig) -> bool:
 
 
 def keeper_names(config: ServeConfig) -> list[str]:
-    """One per replica where the pool outlives its engine."""
-    return _per_replica(config, "keeper") if pool_outlives_engine(config) else []
+    """One per unit where the pool outlives its engine."""
+    return _numbered("keeper", engine_units(config)) if pool_outlives_engine(config) else []
+
+
+def scheduler_engines(config: ServeConfig, replica: int) -> list[str]:
+    """Every engine process the replica's scheduler plans for (under --pd, both units')."""
+    units = range(engine_units(config)) if config.engine.pd else [replica]
+    return [name for unit in units for name in engine_names(config, unit)]
 
 
 def kv_pool_segment(config: ServeConfig, replica: int) -> str | None:
@@ -340,11 +374,11 @@ def _engines(config: ServeConfig, replica: int) -> list[ActorSpec]:
             name,
             "engine",
             "actors.engine:EngineActor",
-            {"serve": config, "replica": replica, "rank": rank},
+            {"serve": config, "replica": replica, "rank": rank, "scheduler": unit_scheduler(config, replica)},
             torch_threads=True,
             preload=("torch",),
             watchdog_s=config.watchdog_timeout,
-            group=f"engines{replica if config.data_parallel_size > 1 else ''}" if ranks > 1 else None,
+            group=f"engines{replica if engine_units(config) > 1 else ''}" if ranks > 1 else None,
             # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request
             # (ServeConfig allows a standby only over a kept pool: it could not hold a second one)
             spare=config.warm_spares and ranks == 1 and (config.engine.device == "cpu" or config.engine.standby_engine),
@@ -365,13 +399,14 @@ def pipeline(config: ServeConfig) -> Topology:
     workers, schedulers, keepers = api_worker_names(config), scheduler_names(config), keeper_names(config)
     engines: list[ActorSpec] = []
     edges: list[Edge] = [Edge(name, "tokenizer") for name in workers]
-    for replica, scheduler in enumerate(schedulers):
-        engines += (local := _engines(config, replica))
+    for scheduler in schedulers:
+        edges += [Edge("tokenizer", scheduler, 16 << 20), Edge(scheduler, "detokenizer")]
+    for unit in range(engine_units(config)):
+        engines += (local := _engines(config, unit))
+        scheduler = unit_scheduler(config, unit)
         edges += [
-            Edge("tokenizer", scheduler, 16 << 20),
             *(Edge(scheduler, spec.name, 16 << 20) for spec in local),  # a plan carries the histories of the slots it opens
             Edge(local[0].name, scheduler),
-            Edge(scheduler, "detokenizer"),
         ]
     edges += [Edge("detokenizer", name) for name in workers]
     text_actor = {"preload": TOKENIZER_MODULES, "spare": config.warm_spares}  # slow to load a tokenizer, soft state
@@ -382,7 +417,7 @@ def pipeline(config: ServeConfig) -> Topology:
             ActorSpec(name, "scheduler", "actors.scheduler:SchedulerActor", {**options, "replica": r}, spare=config.warm_spares)
             for r, name in enumerate(schedulers)
         ),
-        *(ActorSpec(name, "keeper", "actors.keeper:KeeperActor", {**options, "replica": r}) for r, name in enumerate(keepers)),
+        *(ActorSpec(name, "keeper", "actors.keeper:KeeperActor", {**options, "replica": unit}) for unit, name in enumerate(keepers)),
         *engines,
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(

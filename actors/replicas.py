@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from actors.control import ActorState, ControlBlock
 from actors.gauges import SchedulerGauge
-from actors.pipeline import ServeConfig, engine_names, scheduler_names
+from actors.pipeline import ServeConfig, scheduler_engines, scheduler_names
 from runtime.scheduler.router import Router
 
 
@@ -22,7 +22,7 @@ class Replicas:
         self.schedulers = scheduler_names(serve)
         # each replica's slots in the control block, its scheduler's first
         self._member_slots = [
-            [control.index(name), *(control.index(engine) for engine in engine_names(serve, replica))]
+            [control.index(name), *(control.index(engine) for engine in scheduler_engines(serve, replica))]
             for replica, name in enumerate(self.schedulers)
         ]
         self._policy = serve.dp_policy

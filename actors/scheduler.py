@@ -9,6 +9,10 @@ A request held to a grammar stays in the queue, passed by the others (Request.co
 have compiled the grammar (frames.Compile): a compile never holds a step. One that takes longer than
 --grammar-compile-timeout refuses the request with a 400. A new engine over the kept KV pool is asked again
 for the compiles its predecessor had not answered.
+
+Under --pd it plans for two engines, the prefill one and the decode one (runtime.scheduler.disaggregated), each
+with its steps in flight, its resync and its answers; the prefill side takes new requests and holds the prefix
+cache.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,6 +48,7 @@ from actors.kinds import counter_of, first_counter, worker_of
 from actors.pipeline import api_worker_names, engine_names, kv_host_segment, pool_outlives_engine
 from runtime.config import ModelConfig
 from runtime.obs.metrics import metrics
+from runtime.scheduler.disaggregated import ROLES, Disaggregated
 from runtime.scheduler.scheduler import Request, Scheduler
 from runtime.scheduler.tiers import TIER_NAMES, HostIndex, count_pages
 from runtime.step import HostEntry, StepPlan
@@ -70,6 +75,7 @@ class Ended:
 ADOPT_GRACE_S = 30.0  # how long adopted KV waits for its request's replay (the api workers replay at once)
 ENGINE_LOOK_S = 0.05  # how often a scheduler waiting on its engine's steps looks whether the engine died
 TOKENS_FRAME_BYTES = 1 << 20  # what a TOKENS frame may carry, by a generous estimate of its JSON, in a 4 MiB ring
+BOTH = "both"  # the role of a colocated engine, which prefills and decodes
 
 
 def _announce_bytes(announce: Announce) -> int:
@@ -142,13 +148,21 @@ class SchedulerActor(Actor):
         self.engine_config, self.stats_interval = serve.engine, serve.stats_interval
         self.eos, self.max_position, self.long_rope_from = model.eos_token_ids, model.max_position, model.long_rope_from
         self.sliding_window = model.window
-        self.replica = self.options["replica"]
-        self.engines = engine_names(serve, self.replica)
-        engine = self.control.slots[self.control.index(self.engines[0])]
-        while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
-            await asyncio.sleep(0.05)
-        self.num_pages = int(engine["gauges"][EngineGauge.POOL])
-        self.host_pages = int(engine["gauges"][EngineGauge.HOST_POOL])  # set before POOL
+        self.replica, self.pd = self.options["replica"], serve.engine.pd
+        # each engine (group) this scheduler plans for, by role: the first takes new requests and holds the prefix cache
+        self.sides = (
+            {role: engine_names(serve, unit) for unit, role in enumerate(ROLES)} if self.pd else {BOTH: engine_names(serve, self.replica)}
+        )
+        self.role_of = {name: role for role, names in self.sides.items() for name in names}
+        self.engines, self.first = list(self.role_of), next(iter(self.sides))
+        self.num_pages: dict[str, int] = {}
+        for role, names in self.sides.items():
+            engine = self.control.slots[self.control.index(names[0])]
+            while not engine["gauges"][EngineGauge.POOL]:  # the engine sizes the KV pool once its weights are in place
+                await asyncio.sleep(0.05)
+            self.num_pages[role] = int(engine["gauges"][EngineGauge.POOL])
+        first_engine = self.control.slots[self.control.index(self.sides[self.first][0])]
+        self.host_pages = int(first_engine["gauges"][EngineGauge.HOST_POOL])  # set before POOL
         host_segment = kv_host_segment(serve, self.replica)
         self.host_segment = None if host_segment is None else server_prefix(self.ctx.server) + host_segment
         m, labels = metrics(), (serve.served_model_name, str(self.replica))
@@ -156,12 +170,14 @@ class SchedulerActor(Actor):
         self.m_prompt_tokens, self.m_generation_tokens = m.prompt_tokens.labels(*labels), m.generation_tokens.labels(*labels)
         self.m_prefix_queries, self.m_prefix_hits = m.prefix_queries.labels(*labels), m.prefix_hits.labels(*labels)
         self.m_tier_hits = {tier: m.tier_hits.labels(*labels, tier) for tier in TIER_NAMES}
-        self.m_spec_draft = m.spec_draft.labels(*labels)
+        self.m_spec_draft, self.m_pd_requests = m.spec_draft.labels(*labels), m.pd_requests
         self.m_running, self.m_waiting, self.m_kv_usage = (g.labels(*labels) for g in (m.running, m.waiting, m.kv_usage))
         self.window = Window(time.monotonic())
         self._detokenizer_slot = self.control.index("detokenizer")
         # an engine restart that keeps the epoch (its KV pool outlives it) is resynced over that pool
-        self._engine_slot = self.control.index(self.engines[0]) if pool_outlives_engine(serve) else None
+        self._engine_slots = (
+            {role: self.control.index(names[0]) for role, names in self.sides.items()} if pool_outlives_engine(serve) else {}
+        )
         # an api worker's restart keeps the epoch: its requests of an earlier start (ids below its floor) are dropped
         self._api_slots = {worker: self.control.index(name) for worker, name in enumerate(api_worker_names(serve))}
         self._api_restarts = {worker: self._restarts(index) for worker, index in self._api_slots.items()}
@@ -170,15 +186,23 @@ class SchedulerActor(Actor):
         self.on_epoch(self.epoch)
 
     def on_epoch(self, epoch: int) -> None:
+        # the scheduler that takes new requests (under --pd, the prefill side's), and every side's
         self.core = Scheduler(
             self.engine_config,
-            self.num_pages,
+            self.num_pages[self.first],
             self.eos,
             self.max_position,
             self.host_pages,
             long_rope_from=self.long_rope_from,
             window=self.sliding_window,
+            prefill_only=self.pd,
         )
+        self.cores = {self.first: self.core}
+        self.pair: Disaggregated | None = None
+        if self.pd:
+            decoding = replace(self.engine_config, enable_prefix_cache=False)
+            decode = Scheduler(decoding, self.num_pages["decode"], self.eos, self.max_position, long_rope_from=self.long_rope_from)
+            self.pair, self.cores["decode"] = Disaggregated(self.core, decode), decode
         self.counted_hits = dict.fromkeys(self.core.tier_hits, 0)  # tier hits counted in /metrics, of this core's
         self.announce: dict[int, list[int]] = {}  # a replay's tokens so far, until the request's first tokens go out
         self.timelines: dict[int, Timeline] = {}  # the requests in hand, from their arrival to their end
@@ -189,8 +213,9 @@ class SchedulerActor(Actor):
         self.refused: dict[int, tuple[Refusal, float]] = {}  # likewise, the requests refused here, and when
         # a restart of the detokenizer that keeps the epoch is resynced; one before this epoch is covered by its replay
         self._detokenizer_restarts, self._resync = self._restarts(self._detokenizer_slot), False
-        self._engine_restarts, self._engine_lost = self._restarts(self._engine_slot), False
-        self.in_flight: deque[int] = deque()
+        self._engine_restarts = {role: self._restarts(index) for role, index in self._engine_slots.items()}
+        self._engines_lost: set[str] = set()
+        self.in_flight = {role: deque[int]() for role in self.sides}
         self.compiling: dict[int, Request] = {}  # waiting requests whose grammar the engines compile (Request.compiling)
         # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)
         self.adopting = self._ask_adoption = True
@@ -214,8 +239,10 @@ class SchedulerActor(Actor):
         restarts = self._restarts(self._detokenizer_slot)
         if restarts != self._detokenizer_restarts:  # a restart within the epoch: the next turn of the loop resyncs it
             self._detokenizer_restarts, self._resync = restarts, True
-        if (restarts := self._restarts(self._engine_slot)) != self._engine_restarts:
-            self._engine_restarts, self._engine_lost = restarts, True
+        for role, index in self._engine_slots.items():
+            if (restarts := self._restarts(index)) != self._engine_restarts[role]:
+                self._engine_restarts[role] = restarts
+                self._engines_lost.add(role)
         for worker, index in self._api_slots.items():
             if (restarts := self._restarts(index)) != self._api_restarts[worker]:
                 self._api_restarts[worker], self._api_floors[worker] = restarts, first_counter(restarts)
@@ -226,45 +253,60 @@ class SchedulerActor(Actor):
             if self._resync:  # before any later tokens leave, so that none reaches it ahead of its request's resync
                 self._resync = False
                 await self._resync_detokenizer()
-            if self._engine_lost:
-                self._engine_lost = False
-                await self._resync_engine()
+            for role in sorted(self._engines_lost):
+                self._engines_lost.discard(role)
+                await self._resync_engine(role)
             if self._ask_adoption:
                 self._ask_adoption = False
-                await self.send_all(self.engines, Adopt())
+                await self.send_all(self.sides[self.first], Adopt())
             if self._workers_lost:  # their clients are gone with them
                 self._workers_lost = False
-                dead = [r.rid for r in (*self.core.running, *self.core.waiting) if self._orphaned(r.rid)]
+                dead = [r.rid for r in self._requests() if self._orphaned(r.rid)]
                 log.info("orphans_aborted", requests=len(dead))
-                await self._emit([request for rid in dead if (request := self.core.abort(rid)) is not None])
+                await self._emit([request for rid in dead if (request := self._abort(rid)) is not None])
             while (got := self.poll_frame()) is not None:
                 await self._handle(*got)
-            epoch = self.epoch  # what the plan below belongs to, should the epoch move on meanwhile
-            adopted = bool(self.core.adopted)
-            plan = self.core.schedule() if not self.adopting and len(self.in_flight) < self.engine_config.steps_in_flight else None
-            if adopted and not self.core.adopted:  # what no replay claimed has gone back to the pool
-                self._publish_gauges()
-            if ended := self.core.take_ended():
-                await self._emit(ended, with_token=False, epoch=epoch)
-            if plan:
-                self._on_planned(plan)
-                await self.send_all(self.engines, Step(plan), plan.step, epoch=epoch)  # every tensor-parallel rank runs it
-                if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
-                    self.in_flight.append(plan.step)
-                self._publish_gauges()
+            planned = False
+            for role, names in self.sides.items():
+                epoch, core = self.epoch, self.cores[role]  # what the plan below belongs to, should the epoch move on meanwhile
+                adopted = bool(core.adopted)
+                plan = core.schedule() if not self.adopting and len(self.in_flight[role]) < self.engine_config.steps_in_flight else None
+                if adopted and not core.adopted:  # what no replay claimed has gone back to the pool
+                    self._publish_gauges()
+                if ended := core.take_ended():
+                    await self._emit(ended, with_token=False, epoch=epoch)
+                if plan:
+                    self._on_planned(plan, core)
+                    await self.send_all(names, Step(plan), plan.step, epoch=epoch)  # every tensor-parallel rank runs it
+                    if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
+                        self.in_flight[role].append(plan.step)
+                    self._publish_gauges()
+                    planned = True
+            if planned:
                 continue
             # while steps are in flight, look up now and then: their engine may have died, and nothing would come
-            if (got := await self.next_frame(ENGINE_LOOK_S if self.in_flight and self._engine_slot is not None else None)) is not None:
+            waiting = any(self.in_flight.values()) and self._engine_slots
+            if (got := await self.next_frame(ENGINE_LOOK_S if waiting else None)) is not None:
                 await self._handle(*got)
 
-    async def _resync_engine(self) -> None:
+    def _requests(self) -> list[Request]:
+        """Every request in hand, running or waiting, on every side."""
+        return [request for core in self.cores.values() for request in (*core.running, *core.waiting)]
+
+    def _abort(self, rid: int) -> Request | None:
+        return self.core.abort(rid) if self.pair is None else self.pair.abort(rid)
+
+    async def _resync_engine(self, role: str) -> None:
         """Its engine died and another maps the same KV pool: take in what the dead one answered before it
         died, then reopen every running request over its pages; the steps it left unanswered are planned again."""
         while (got := self.poll_frame()) is not None:
             await self._handle(*got)
-        log.info("engine_resync", running=len(self.core.running), lost_steps=list(self.in_flight))
-        self.in_flight.clear()
-        self.core.reopen()
+        core = self.cores[role]
+        log.info("engine_resync", role=role, running=len(core.running), lost_steps=list(self.in_flight[role]))
+        self.in_flight[role].clear()
+        core.reopen()
+        if self.pair is not None and role == "decode":  # copies it may not have run: the prefill side lets go of them
+            self.pair.release_copied()
         for rid, request in self.compiling.items():  # the dead engine's compiles died with it
             await self._ask_compile(rid, request)
         self._ask_adoption = self.adopting  # the dead engine may have taken the question with it
@@ -273,9 +315,10 @@ class SchedulerActor(Actor):
         rid = frame.rid
         match decode(frame):
             case StepResults(step=step, results=results):
-                self.in_flight.remove(step)
-                await self._emit(self.core.update(step, results))
-            case Adopt(held=held, disk=disk) if self.adopting:
+                role = self.role_of[peer]
+                self.in_flight[role].remove(step)
+                await self._emit(self.core.update(step, results) if self.pair is None else self.pair.update(role, step, results))
+            case Adopt(held=held, disk=disk) if self.adopting and self.role_of[peer] == self.first:
                 host = self._host_index()
                 if disk is not None and self.core.cache is not None and self.core.cache.tiers is not None:
                     self.core.cache.tiers.disk = Path(disk)
@@ -313,7 +356,7 @@ class SchedulerActor(Actor):
                 )
                 self._publish_gauges()  # a flush publishes its own; the other frames change them only through _emit
             case Ping() as ping:
-                await self.send(self.engines[0] if peer == "tokenizer" else "detokenizer", ping, rid)
+                await self.send(self.engines[0] if peer == "tokenizer" else "detokenizer", ping, rid)  # under --pd, the prefill engine
             case FlushCache(unpin=unpin):
                 pages = self.core.unpin_prefixes() if unpin else self.core.flush_cache()
                 self._publish_gauges()  # before the answer, as in _emit
@@ -323,7 +366,7 @@ class SchedulerActor(Actor):
             case Abort():
                 if self.compiling.pop(rid, None) is not None:  # its grammar need not be compiled any more
                     await self.send_all(self.engines, Compile(), rid)
-                if (request := self.core.abort(rid)) is not None:
+                if (request := self._abort(rid)) is not None:
                     await self._emit([request])
                 else:  # not here (yet): a copy resubmitted later is not run
                     self._ended(rid, None)
@@ -357,7 +400,7 @@ class SchedulerActor(Actor):
                 rid=timeline.trace,
                 wait_s=round(time.monotonic() - timeline.queued, 6),
             )
-        if error is not None and self.core.abort(rid) is not None:
+        if error is not None and self._abort(rid) is not None:
             request.error = error
             await self._emit([request])
 
@@ -379,7 +422,7 @@ class SchedulerActor(Actor):
         its tokens, and refusals of that time are sent again; the api workers keep what their clients
         have not had, and drop what is not theirs any more."""
         items = []
-        for request in [*self.core.running, *self.core.waiting]:  # a waiting one may be preempted after its first tokens
+        for request in self._requests():  # a waiting one may be preempted after its first tokens
             if request.rid not in self.announce and (detok := self.detoks.get(request.rid)) is not None:
                 items.append(_first_item(request, detok, list(request.output_ids), resync=True))
         recent = time.monotonic() - RESYNC_ENDED_S
@@ -430,8 +473,12 @@ class SchedulerActor(Actor):
 
     # -- observability --------------------------------------------------------------------------
 
-    def _on_planned(self, plan: StepPlan) -> None:
+    def _on_planned(self, plan: StepPlan, core: Scheduler) -> None:
+        """A plan's batch; and where it comes from the scheduler that takes new requests, what its admissions found
+        in the prefix cache (a request handed over to the decode side is not admitted anew)."""
         self.m_batch.observe(len(plan.chunks) + len(plan.decodes))
+        if core is not self.core:
+            return
         for tier, tokens in self.core.tier_hits.items():  # what this plan's admissions found in each tier
             if tokens > self.counted_hits[tier]:
                 self.m_tier_hits[tier].inc(tokens - self.counted_hits[tier])
@@ -490,26 +537,36 @@ class SchedulerActor(Actor):
             await asyncio.sleep(self.stats_interval)
             if (cache := self.core.cache) is not None and cache.tiers is not None and (folder := cache.tiers.disk) is not None:
                 self.slot["gauges"][SchedulerGauge.DISK_PAGES] = await asyncio.to_thread(count_pages, folder)
-            now, w, core = time.monotonic(), self.window, self.core
+            now, w, (running, waiting, used, total) = time.monotonic(), self.window, self._load()
             self.window = Window(now)
             elapsed = now - w.started
-            idle = not (w.prompt_tokens or w.generation_tokens or core.running or core.waiting)
+            idle = not (w.prompt_tokens or w.generation_tokens or running or waiting)
             (log.debug if idle else log.info)(
                 "stats",
                 replica=self.replica,
                 prompt_tok_s=round(w.prompt_tokens / elapsed, 1),
                 gen_tok_s=round(w.generation_tokens / elapsed, 1),
-                running=len(core.running),
-                waiting=len(core.waiting),
-                kv_usage=round(core.used_pages() / core.allocator.num_pages, 4),
+                running=running,
+                waiting=waiting,
+                kv_usage=round(used / total, 4),
                 prefix_hit_rate=round(w.prefix_hits / w.prefix_queries, 4) if w.prefix_queries else None,
             )
 
+    def _load(self) -> tuple[int, int, int, int]:
+        """Requests running and waiting, and KV pages used and in all, over every side."""
+        cores = self.cores.values()
+        return (
+            sum(len(core.running) for core in cores),
+            sum(len(core.waiting) for core in cores),
+            sum(core.used_pages() for core in cores),
+            sum(core.allocator.num_pages for core in cores),
+        )
+
     def _publish_gauges(self) -> None:
         core, gauges = self.core, self.slot["gauges"]
-        used = core.used_pages()
-        gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, core.allocator.num_pages
-        gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = len(core.running), len(core.waiting)
+        running, waiting, used, total = self._load()
+        gauges[SchedulerGauge.USED_PAGES], gauges[SchedulerGauge.TOTAL_PAGES] = used, total
+        gauges[SchedulerGauge.RUNNING], gauges[SchedulerGauge.WAITING] = running, waiting
         gauges[SchedulerGauge.CACHED_PAGES] = core.cache.cached_pages if core.cache else 0
         gauges[SchedulerGauge.PINNED_PREFIXES], gauges[SchedulerGauge.PINNED_PAGES] = len(core.pins), core.pinned_pages
         if core.cache is not None and (tiers := core.cache.tiers) is not None:
@@ -520,6 +577,10 @@ class SchedulerActor(Actor):
         hits = core.tier_hits
         gauges[SchedulerGauge.DEVICE_HIT_TOKENS], gauges[SchedulerGauge.HOST_HIT_TOKENS] = hits["device"], hits["host"]
         gauges[SchedulerGauge.DISK_HIT_TOKENS] = hits["disk"]
-        self.m_running.set(len(core.running))
-        self.m_waiting.set(len(core.waiting))
-        self.m_kv_usage.set(used / core.allocator.num_pages)
+        self.m_running.set(running)
+        self.m_waiting.set(waiting)
+        if self.pd:  # the queue on each side
+            for role, side in self.cores.items():
+                self.m_pd_requests.labels(role, "running").set(len(side.running))
+                self.m_pd_requests.labels(role, "waiting").set(len(side.waiting))
+        self.m_kv_usage.set(used / total)

@@ -539,6 +539,13 @@ class EngineConfig(CliConfig):
             metavar="N",
         ),
     )
+    pd: bool = field(
+        default=False,
+        metadata=flag(
+            "prefill-decode disaggregation: a prefill engine and a decode engine, each with its own KV pool, under one "
+            "scheduler; a request's KV moves to the decode engine after its first token (on CUDA the next device)"
+        ),
+    )
     # off by default: measured in the engine, NCCL was as fast (benchmarks/results/README.md, tensor parallelism)
     custom_all_reduce: bool = field(
         default=False,
@@ -651,6 +658,8 @@ class EngineConfig(CliConfig):
             raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, not {self.kv_cache_dtype!r}")
         if self.quantization not in (None, "fp8"):
             raise ValueError(f"quantization must be fp8 or none, not {self.quantization!r}")
+        if self.pd and (self.tensor_parallel_size > 1 or self.speculative_algorithm or self.hierarchical_cache):
+            raise ValueError("prefill-decode disaggregation runs one rank a side, without speculative decoding or KV tiers")
         if self.deterministic and (self.quantization or self.fp8_kv or self.tensor_parallel_size > 1):
             raise ValueError("deterministic inference runs unquantized weights and KV on one rank (FP8 scales and all-reduces mix rows)")
         if self.deterministic and self.device == "cpu" and self.dtype == "auto":  # the CPU's batch-invariant attention is fp32

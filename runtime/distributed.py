@@ -142,6 +142,8 @@ def check_parallel(cfg: ModelConfig, config: EngineConfig, replicas: int = 1, no
     """Refuse, before anything loads, a split the model or the machine cannot take (`replicas` engines
     of tensor_parallel_size ranks each, spread over `nodes` machines)."""
     size = config.tensor_parallel_size
+    if config.pd and cfg.window:
+        raise ValueError("prefill-decode disaggregation does not serve models with sliding windows yet")
     if cfg.num_heads % size:
         raise ValueError(f"the model's {cfg.num_heads} attention heads do not split over tensor_parallel_size {size}")
     if cfg.num_kv_heads % size and size % cfg.num_kv_heads:

@@ -1,6 +1,8 @@
 """The in-process offline API: scheduler and engine tied together with no processes. Under tensor
 parallelism the caller's process is rank 0 and the other ranks are processes of their own, which
-rank 0 hands each step plan to (torch.distributed's broadcast)."""
+rank 0 hands each step plan to (torch.distributed's broadcast). Under prefill-decode disaggregation
+(--pd) a prefill engine and a decode engine run side by side in the caller's process, under one
+scheduler (runtime.scheduler.disaggregated)."""
 
 from __future__ import annotations
 
@@ -11,10 +13,11 @@ import shutil
 import tempfile
 import weakref
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from runtime.config import EngineConfig, ModelConfig, speculative_fields
 from runtime.distributed import SINGLE, TensorParallel, check_parallel, rank_device
@@ -22,8 +25,9 @@ from runtime.engine.engine import Engine, PendingStep
 from runtime.models.source import load_tokenizer, resolve_model_dir
 from runtime.obs.gc_pauses import freeze_startup_heap
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler.disaggregated import ROLES, Disaggregated
 from runtime.scheduler.scheduler import Request, Scheduler
-from runtime.step import PromptLogprob
+from runtime.step import PromptLogprob, Sampled, StepPlan
 from transport.lifetime import on_parent_death
 
 
@@ -80,6 +84,14 @@ class _Ranks:
             shutil.rmtree(folder, ignore_errors=True)
 
 
+class Side(NamedTuple):
+    """An engine and how the scheduler plans for it and takes its results."""
+
+    engine: Engine
+    schedule: Callable[[], StepPlan]
+    update: Callable[[int, list[Sampled]], object]
+
+
 class LLM:
     def __init__(
         self,
@@ -104,12 +116,35 @@ class LLM:
         cfg = self.engine.model_config
         tiers = self.engine.tiers
         host_pages, disk = (tiers.num_pages, tiers.disk) if tiers else (0, None)
-        self.scheduler = Scheduler(
+        self.scheduler: Scheduler | Disaggregated = Scheduler(
             self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk, cfg.long_rope_from, cfg.window
         )
+        self.engines = [self.engine]  # under --pd, the prefill one and the decode one
+        if self.config.pd:
+            self._disaggregate()
         self.tokenizer = load_tokenizer(self.model_dir)
         self._rids = itertools.count()
         freeze_startup_heap()
+
+    def _disaggregate(self) -> None:
+        """The engine above prefills; a second one decodes, copying from the first's pool. In one process, on CPU:
+        two CUDA engines would share the process's current device."""
+        if self.engine.device.type != "cpu":
+            raise ValueError("in process, prefill-decode disaggregation runs on CPU; on GPUs, serve it (`ringllm serve --pd`)")
+        cfg = self.engine.model_config
+        decode = Engine(self.model_dir, self.config, SINGLE, self.engine.device)
+        decode.peer = self.engine.pool
+        prefill = Scheduler(self.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, prefill_only=True)
+        decoding = Scheduler(replace(self.config, enable_prefix_cache=False), decode.num_pages, cfg.eos_token_ids, cfg.max_position)
+        self.scheduler = Disaggregated(prefill, decoding)
+        self.engines.append(decode)
+
+    def _sides(self) -> list[Side]:
+        """Each engine, and how the scheduler plans for it and takes its results."""
+        pair = self.scheduler
+        if isinstance(pair, Scheduler):
+            return [Side(self.engine, pair.schedule, pair.update)]
+        return [Side(engine, partial(pair.schedule, role), partial(pair.update, role)) for role, engine in zip(ROLES, self.engines)]
 
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -119,18 +154,20 @@ class LLM:
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
-        in_flight: deque[tuple[int, PendingStep]] = deque()  # plan later steps while earlier ones run
+        sides = self._sides()
+        in_flight: list[deque[tuple[int, PendingStep]]] = [deque() for _ in sides]  # plan later steps while earlier ones run
         depth = self.config.steps_in_flight
         assert depth is not None  # EngineConfig fills in the device's default
-        while self.scheduler.has_work() or in_flight:
-            plan = self.scheduler.schedule() if len(in_flight) < depth else None
-            if plan:
-                if self.engine.tp.size > 1:
-                    self.engine.tp.broadcast(plan)
-                in_flight.append((plan.step, self.engine.launch(plan)))
-            if in_flight and (len(in_flight) == depth or not plan):
-                step, pending = in_flight.popleft()
-                self.scheduler.update(step, pending.result())
+        while self.scheduler.has_work() or any(in_flight):
+            for side, queue in zip(sides, in_flight):
+                plan = side.schedule() if len(queue) < depth else None
+                if plan:
+                    if side.engine.tp.size > 1:
+                        side.engine.tp.broadcast(plan)
+                    queue.append((plan.step, side.engine.launch(plan)))
+                if queue and (len(queue) == depth or not plan):
+                    step, pending = queue.popleft()
+                    side.update(step, pending.result())
         return [self._output(r) for r in requests]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:

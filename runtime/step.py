@@ -64,6 +64,9 @@ class StepPlan:
     moves: list[KVMove] = field(default_factory=list)  # run first, after `freed`, `new_slots` and `pages` are applied
     # (full page, window page): where a sliding-window layer keeps a full page's tokens (runtime.scheduler.window_pages)
     window_pages: list[tuple[int, int]] = field(default_factory=list)
+    # (pages of the prefill engine's pool, pages of this one's): the KV of requests handed over to this decode engine
+    # (runtime.scheduler.disaggregated), copied after `pages` are applied, before the forward
+    imports: list[tuple[list[int], list[int]]] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.chunks or self.decodes)
@@ -103,16 +106,18 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "moves": [
             [m.kind, len(m.device), len(m.host), [k.hex() for k in m.keys], m.parent.hex(), m.position, len(m.tokens)] for m in plan.moves
         ],
+        "imports": [len(source) for source, _ in plan.imports],
     }
     history = [t for n in plan.new_slots for t in (*n.prompt_ids, *n.output_ids)]
     pages = [p for _, ps in plan.pages for p in ps]
     tokens = [t for c in plan.chunks for t in c.token_ids]
     moved = [p for m in plan.moves for p in (*m.device, *m.host, *m.tokens)]
-    return meta, [history, pages, tokens, moved, [p for pair in plan.window_pages for p in pair]]
+    imported = [p for source, target in plan.imports for p in (*source, *target)]
+    return meta, [history, pages, tokens, moved, [p for pair in plan.window_pages for p in pair], imported]
 
 
 def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
-    history, pages, tokens, moved, window = (a.tolist() for a in arrays)
+    history, pages, tokens, moved, window, imported = (a.tolist() for a in arrays)
     plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
     plan.window_pages = list(zip(window[::2], window[1::2]))
     at = 0
@@ -134,6 +139,10 @@ def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
         moved_tokens = moved[at + devices + hosts : at + devices + hosts + tokens_moved]
         plan.moves.append(KVMove(kind, device, host, [bytes.fromhex(k) for k in keys], bytes.fromhex(parent), position, moved_tokens))
         at += devices + hosts + tokens_moved
+    at = 0
+    for count in meta["imports"]:
+        plan.imports.append((imported[at : at + count], imported[at + count : at + 2 * count]))
+        at += 2 * count
     return plan
 
 

@@ -206,6 +206,8 @@ LONGEST_FILES = (
     "test_structured_output.py",
     "test_tensor_parallel.py",
     "test_router_workers.py",
+    "test_disaggregation.py",
+    "test_multi_node.py",
     "test_bench.py",
     "test_kv_tiers.py",
     "test_parity.py",

@@ -58,6 +58,8 @@ ALONE |= {"enable_prefix_cache": True, "hierarchical_cache": True, "hicache_rati
 ALONE |= {"hicache_write_policy": "write_back", "hicache_storage_backend": "file", "hicache_storage_dir": "/var/kv"}
 ALONE |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/models/draft"}
 NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}  # a second node of a group
+# prefill-decode disaggregation: one replica over kept pools, one rank a side, without speculation
+PD = {"pd": True, "tensor_parallel_size": 1, "speculative_algorithm": None, "speculative_num_steps": None}
 SERVE = {
     "served_model_name": "served",
     "host": "0.0.0.0",
@@ -96,6 +98,9 @@ def configs(model_dir: Path) -> list[ServeConfig]:
             model_dir=str(model_dir), **{**SERVE, "warm_spares": True, "shared_kv_pool": True}, engine=EngineConfig(**ENGINE | ALONE)
         ),
         ServeConfig(model_dir=str(model_dir), **{**SERVE, **NODE}, engine=EngineConfig(**ENGINE)),
+        ServeConfig(
+            model_dir=str(model_dir), **{**SERVE, "data_parallel_size": 1, "shared_kv_pool": True}, engine=EngineConfig(**ENGINE | PD)
+        ),
     ]
 
 
@@ -140,10 +145,11 @@ def test_bench_offline_passes_the_same_configs_to_its_server(tmp_path):
     for config in configs(tmp_path):
         wanted = dataclasses.replace(config.engine, standby_engine=False)
         flags = wanted.to_cli_args()
-        _, engine, serve = offline.parse_args(["--model", str(tmp_path), "--dp", "2", *flags])
+        replicas = 1 if wanted.pd else 2  # --pd plans one replica's two engines
+        _, engine, serve = offline.parse_args(["--model", str(tmp_path), "--dp", str(replicas), *flags])
         assert engine == wanted == EngineConfig.from_cli_args(serve_args(flags))
         assert serve is not None and ServeConfig.from_cli_args(serve_args(serve.to_cli_args())) == serve
-        assert (serve.engine, serve.data_parallel_size, serve.api_workers, serve.warm_spares) == (engine, 2, 2, False)
+        assert (serve.engine, serve.data_parallel_size, serve.api_workers, serve.warm_spares) == (engine, replicas, 2, False)
 
 
 def test_llm_runs_the_config_serve_builds(tiny_model):

@@ -32,9 +32,12 @@ QUESTIONS = [
 ]
 
 
-async def complete_ids(base_url: str, model: str, prompts: list[list[int]], max_tokens: int = NEW_TOKENS) -> list[list[int]]:
-    """Greedy completions of token-id prompts, all in flight at once; returns the generated ids."""
-    body = dict(model=model, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True)
+async def complete_ids(
+    base_url: str, model: str, prompts: list[list[int]], max_tokens: int = NEW_TOKENS, sampling: dict | None = None
+) -> list[list[int]]:
+    """Completions of token-id prompts, all in flight at once, greedy unless `sampling` says otherwise (request
+    fields: temperature, seed); returns the generated ids."""
+    body = dict(model=model, max_tokens=max_tokens, temperature=0, ignore_eos=True, return_token_ids=True) | (sampling or {})
     async with aiohttp.ClientSession(base_url) as http:
 
         async def one(prompt: list[int]) -> list[int]:

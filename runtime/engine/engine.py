@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import numpy as np
 import structlog
@@ -30,7 +30,7 @@ from runtime.config import DEFAULT_KV_TOKENS, MODEL_DRAFTS, EngineConfig, ModelC
 from runtime.distributed import SINGLE, TensorParallel
 from runtime.engine.cuda_graph import DecodeGraphs, PrefillGraphs, Scratch, capture_sizes
 from runtime.engine.gemm_tuner import use_few_row_gemms, use_fp8_gemms, use_one_row_fusion
-from runtime.engine.kv_tiers import HostTier, LayerWaits, TorchCopier, namespace
+from runtime.engine.kv_tiers import HostTier, LayerWaits, RunCopier, TorchCopier, namespace
 from runtime.engine.sampling import Feedback, PromptLogprobs, Sample, SampleRow, logprob_dicts, sample, warm_up_draws
 from runtime.models.batch_invariant import make_batch_invariant
 from runtime.models.cpu_linears import default_dtype
@@ -382,6 +382,11 @@ class Engine:
         self._forgotten: list[PendingStep] = []
         # the last launch's host time spent reading earlier draws back and filling grammar masks (steps that need them)
         self.host_waits: dict[str, float] = {}
+        # a disaggregated decode engine's: the prefill engine's pool, which StepPlan.imports copy from, the bytes so far,
+        # and each request's copy, (bytes, start, end: CUDA events, or times on CPU) until take_imports
+        self.peer: KVPool | None = None
+        self.imported_bytes = 0
+        self._imports: deque[tuple[int, Any, Any]] = deque()
 
     def _graph_limits(self) -> tuple[int, int]:
         """(the largest decode batch, the most prefill tokens) that CUDA graphs capture, 0 for none.
@@ -542,6 +547,43 @@ class Engine:
             full, window = np.array(plan.window_pages, dtype=np.int64).T
             self.window_of[full] = window
 
+    def map_peer(self, num_pages: int, memory: Callable[[int], torch.Tensor]) -> None:
+        """A decode engine's view of the prefill engine's pool (`num_pages` and the scratch page, laid out as this
+        engine's pool is) in `memory`, bytes -> a uint8 tensor: the pool StepPlan.imports copy from."""
+        pool = self.pool
+        layer_bytes = KVPool.bytes_per_page(1, pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        kept = memory(len(pool.kv) * (num_pages + 1) * layer_bytes)
+        layout = (pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype, kept.device, pool.compute_dtype, pool.scales)
+        self.peer = KVPool(len(pool.kv), num_pages + 1, *layout, kept)
+
+    def _import(self, imports: list[tuple[list[int], list[int]]]) -> None:
+        """Requests handed over from the prefill engine: their KV, copied from its pool into this one's, request by
+        request, queued before the forward that reads it."""
+        assert self.peer is not None  # the scheduler plans copies for a disaggregated decode engine only
+        pool, copier = self.pool, RunCopier(TorchCopier())
+        page_bytes = KVPool.bytes_per_page(len(pool.kv), pool.page_size, pool.num_kv_heads, pool.head_dim, pool.dtype)
+        cuda = self.device.type == "cuda"
+        for source, target in imports:
+            copy = copier.prepare(self.peer, source, pool, target)
+            start = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if isinstance(start, torch.cuda.Event):
+                start.record()
+            for layer in range(len(pool.kv)):
+                copy(layer)
+            end = torch.cuda.Event(enable_timing=True) if cuda else time.perf_counter()
+            if isinstance(end, torch.cuda.Event):
+                end.record()
+            self._imports.append((len(target) * page_bytes, start, end))
+            self.imported_bytes += len(target) * page_bytes
+
+    def take_imports(self) -> list[tuple[int, float]]:
+        """(bytes, seconds) of each request's copy done since the last call."""
+        done = []
+        while self._imports and (not isinstance(end := self._imports[0][2], torch.cuda.Event) or end.query()):
+            size, start, end = self._imports.popleft()
+            done.append((size, start.elapsed_time(end) / 1e3 if isinstance(start, torch.cuda.Event) else end - start))
+        return done
+
     @torch.inference_mode()
     def launch(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> PendingStep:
         """Queues the plan's forward and draw on the device and returns without waiting for either. `drafted`: the
@@ -549,6 +591,8 @@ class Engine:
         while any(step.drafts and not step.read for step in self._unread):  # a tensor-parallel follower reads late:
             self._unread.popleft().result()  # a draft's kept length must move its slot back before a later plan runs
         self.apply(plan)
+        if plan.imports:
+            self._import(plan.imports)
         if self.drafter is not None:
             self.drafter.mirror(plan)
             plan, drafted = self.drafter.draft(plan, self.slots)

@@ -121,6 +121,18 @@ class Metrics:
             ("replica", "layer"),
             multiprocess_mode="mostrecent",
         )
+        self.pd_transfer_bytes = Counter(
+            "ringllm:pd_transfer_bytes", "KV bytes the decode engine copied from the prefill engine's pool (--pd).", ()
+        )
+        self.pd_transfer = Histogram(
+            "ringllm:pd_transfer_seconds",
+            "Time one handed-over request's KV copy took on the decode engine (--pd).",
+            (),
+            buckets=STEP_BUCKETS,
+        )
+        self.pd_requests = Gauge(
+            "ringllm:pd_requests", "Requests on each side of --pd, running or waiting.", ("side", "state"), multiprocess_mode="mostrecent"
+        )
         self.restarts = Counter("ringllm:actor_restarts", "Actor restarts.", ("actor",))
         self.refused_connections = Counter(
             "ringllm:refused_connections", "Connections refused over --max-connections or --max-client-connections.", ()

@@ -70,12 +70,16 @@ class Scheduler:
         disk: Path | None = None,
         long_rope_from: int | None = None,
         window: int = 0,
+        prefill_only: bool = False,
     ) -> None:
         """`host_pages`: the host tier's size in pages, under --enable-hierarchical-cache, and `disk` the folder of
         its page files (both as the engine has them: runtime.engine.kv_tiers). `long_rope_from`: LongRoPE's
         pretraining length (ModelConfig.long_rope_from), past which a prompt's KV is roped otherwise. `window`: the
-        model's longest sliding window (ModelConfig.window), whose layers keep pages in the window pool."""
+        model's longest sliding window (ModelConfig.window), whose layers keep pages in the window pool.
+        `prefill_only`: a disaggregated prefill engine's (runtime.scheduler.disaggregated): a request that has drawn its
+        first token is not fed again, but handed over."""
         self.config = config
+        self.prefill_only = prefill_only
         self.long_rope_from = long_rope_from
         self.page_size = config.page_size
         self.allocator = PageAllocator(num_pages)
@@ -113,6 +117,13 @@ class Scheduler:
         # KV a surviving engine held for requests of the epoch before, by rid, until each is replayed: its tokens,
         # and the pages the request takes back (with a prefix cache, its whole pages are in the tree: only the tail)
         self.adopted: dict[int, tuple[list[int], list[int]]] = {}
+        # disaggregated: requests handed over by rid, as they were, holding their pages until the copy is done (release);
+        # on the decode side, the prefill pool's pages of requests received and not admitted yet, and the requests whose
+        # copies each step in flight runs
+        self.handed: dict[int, Request] = {}
+        self.incoming: dict[int, list[int]] = {}
+        self._imports: dict[int, list[int]] = {}
+        self.imported: list[int] = []  # rids whose copies have run (update): the prefill side may release their pages
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = (), pin: bool = False) -> Request:
         """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's where
@@ -184,8 +195,8 @@ class Scheduler:
                 if request.computed != len(request.tokens) - 1:
                     continue
                 request.decoding, request.plain_decodes = False, 0
-            if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed)):
-                continue  # preempted earlier in this loop, its last token already being drawn, or decoded below
+            if request.slot is None or (request.decoding and (self._fully_planned(request) or not mixed or self.prefill_only)):
+                continue  # preempted earlier in this loop, its last token already being drawn, decoded below, or handed over
             prefilling = not request.decoding
             known = len(request.tokens) - request.computed
             # a drafting request's next step feeds its last token and a draft: a decode's share, not the prefill budget's
@@ -213,7 +224,8 @@ class Scheduler:
             self._grow(request, count, plan)
             self._feed(request, count, plan)
             budget -= count
-        if not mixed and not plan.chunks and not self.speculating:  # prefill first: decodes get the steps with nothing to prefill
+        # prefill first: decodes get the steps with nothing to prefill
+        if not (mixed or plan.chunks or self.speculating or self.prefill_only):
             for request in list(self.running):
                 if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
                     self._feed(request, 1, plan)
@@ -292,6 +304,9 @@ class Scheduler:
         decoding decodes on (the engine takes its last token from the reopened slot), so that its redone
         steps run the kernels, and round as, its lost ones did."""
         self._chunk_ends.clear()
+        for rids in self._imports.values():  # copies the dead engine may not have run: their requests compute afresh here
+            self.imported += rids
+        self._imports.clear()
         if self.cache is not None:
             self.cache.reopen()
         for request in list(self.running):
@@ -383,6 +398,8 @@ class Scheduler:
             self.tier_hits["host"] += found.host_tokens
             self.tier_hits["disk"] += found.disk_tokens
             self.tier_hits["device"] += len(found.pages) * self.page_size - found.host_tokens - found.disk_tokens
+        if (source := self.incoming.pop(request.rid, None)) is not None:  # its prompt's KV, from the prefill engine's pool
+            self._import(request, source, plan)
         request.slot = self._free_slots.pop()
         request.admitted_step = self._step
         self.admitted.append(request)
@@ -392,6 +409,39 @@ class Scheduler:
         if request.pages:
             plan.pages.append((request.slot, list(request.pages)))
         return True
+
+    def _import(self, request: Request, source: list[int], plan: StepPlan) -> None:
+        """Pages here for the KV the prefill engine wrote (its prompt's: every token but the first drawn), which the
+        plan copies into them; the request feeds on from there."""
+        held = len(request.tokens) - 1
+        pages = self.allocator.alloc(self.config.pages_for(held))
+        assert pages is not None  # _admit reserved them
+        request.pages, request.computed = pages, held
+        plan.imports.append((source[: len(pages)], pages))
+        self._imports.setdefault(plan.step, []).append(request.rid)
+
+    def hand_over(self, request: Request) -> Request:
+        """A prefill engine's request that has drawn its first token leaves for a decode engine: its slot is freed, and
+        what it holds here stays held, as it is, until `release`. Returns it, ready to be received elsewhere."""
+        self.running.remove(request)
+        assert request.slot is not None  # a running request holds a slot
+        self._freed.append(request.slot)
+        self._release_slot(request)
+        self.handed[request.rid] = replace(request, output_ids=list(request.output_ids))
+        request.pages, request.shared_pages, request.prefix, request.computed, request.confirmed = [], 0, None, 0, 0
+        return request
+
+    def release(self, rid: int) -> None:
+        """The pages of a request handed over go back: its whole pages into the prefix cache, as at its end."""
+        if (request := self.handed.pop(rid, None)) is not None:
+            self._retire(request)
+
+    def receive(self, request: Request, source: list[int]) -> None:
+        """A decode engine's: a request another scheduler handed over, whose prompt's KV lies in `source` pages of the
+        prefill engine's pool (the copy comes with its admission)."""
+        self.incoming[request.rid] = source
+        request.decoding, request.admitted_step = False, 0
+        self._queue(request, first=False)
 
     def _reserve(self, count: int, window_count: int | None = None) -> bool:
         """Room for `count` more pages, and `window_count` (default: as many) more window pages."""
@@ -467,6 +517,7 @@ class Scheduler:
         that got any, each once, with `fresh` set to how many."""
         if self.cache is not None:
             self.cache.answered(step)
+        self.imported += self._imports.pop(step, ())
         for request, end in self._chunk_ends.pop(step, ()):
             if request.slot is not None and request.admitted_step <= step:
                 request.confirmed = max(request.confirmed, end)
@@ -510,6 +561,10 @@ class Scheduler:
         assert request.slot is not None  # a running request holds a slot
         self._freed.append(request.slot)
         self._release_slot(request)
+        self._retire(request)
+
+    def _retire(self, request: Request) -> None:
+        """Its pages go: the whole ones its answered steps wrote into the prefix cache, the rest back to the pool."""
         if self.cache is not None:
             self._let_go(request)  # its window pages stay paired, idle, with the pages the tree takes
             whole = request.confirmed // self.page_size  # not what steps in flight will write: the engine may die first
