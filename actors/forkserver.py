@@ -151,13 +151,13 @@ class Forkserver:
         self.proc, self._sock = Child(pid), ours
         log.info("forkserver_started", pid=pid)
 
-    def stop(self, timeout: float = 5.0) -> None:
-        """Close its socket (it exits at that), and reap it."""
+    def stop(self) -> None:
+        """Close its socket and kill it: it holds nothing of its own (the actors are the supervisor's children, and
+        no spawn is under way at a stop), and one still importing its preloads would take seconds to notice."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
         if self.proc is not None:
-            self.proc.join(timeout)
             self.proc.kill()
             self.proc.join()
             self.proc.close()

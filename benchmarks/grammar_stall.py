@@ -22,7 +22,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -31,7 +30,19 @@ import aiohttp
 import orjson
 
 from benchmarks.provenance import machine, provenance
-from benchmarks.server import free_port, server_config, start_server, steady_stream, stop_server, wait_healthy
+from benchmarks.server import (
+    emit,
+    free_port,
+    gap_ms,
+    gap_summary,
+    parse_load_args,
+    server_config,
+    start_server,
+    start_streams,
+    stop_server,
+    stream_load_parser,
+    wait_healthy,
+)
 from runtime.structured.grammars import build_grammar
 
 
@@ -54,20 +65,6 @@ async def _guided(http: aiohttp.ClientSession, index: int, depth: int, answers: 
     answers.append({"status": reply.status, "sent": sent, "answered": time.monotonic(), "error": error})
 
 
-def _ms(seconds: float) -> int:
-    return round(seconds * 1e3)
-
-
-def _gap_summary(gaps: list[float]) -> dict:
-    ordered = sorted(gaps)
-    return {
-        "tokens": len(ordered),
-        "p50": _ms(statistics.median(ordered)),
-        "p99": _ms(ordered[int(0.99 * (len(ordered) - 1))]),
-        "max": _ms(ordered[-1]),
-    }
-
-
 async def _run(args: argparse.Namespace) -> dict:
     port = free_port()
     log = Path(tempfile.mkdtemp(prefix="ringllm-grammar-stall-")) / "serve.log"
@@ -82,10 +79,7 @@ async def _run(args: argparse.Namespace) -> dict:
             config = await server_config(http)
             started = time.monotonic()
             until = started + args.seconds
-            load = []
-            for i in range(args.streams):
-                load.append(asyncio.create_task(steady_stream(http, i, until, per_stream[i])))
-                await asyncio.sleep(args.stagger)
+            load = await start_streams(http, args.streams, args.stagger, until, per_stream)
             all_started = time.monotonic()
             await asyncio.sleep(args.settle)
             first_sent = time.monotonic()
@@ -116,11 +110,11 @@ async def _run(args: argparse.Namespace) -> dict:
         "depth": args.depth,
         "grammar_mb": round(len(build_grammar("json_schema", orjson.dumps(nested_schema(args.depth, "x")).decode())) / 2**20, 2),
         "interval_s": args.interval,
-        "gap_ms_before": _gap_summary(before),
-        "gap_ms_during": _gap_summary([gap for _, gap in during]),
-        "longest_gap_ms_per_stream": [_ms(gap) for gap in longest],
+        "gap_ms_before": gap_summary(before),
+        "gap_ms_during": gap_summary([gap for _, gap in during]),
+        "longest_gap_ms_per_stream": [gap_ms(gap) for gap in longest],
         # the longest gaps of all, each with when it ended, in seconds from the first grammar request
-        "longest_gaps": [[_ms(gap), round(at - first_sent, 1)] for _, at, gap in sorted(gaps, key=lambda g: -g[2])[:5]],
+        "longest_gaps": [[gap_ms(gap), round(at - first_sent, 1)] for _, at, gap in sorted(gaps, key=lambda g: -g[2])[:5]],
         "window_s": round(window_end - first_sent, 1),
         "grammar_answers": {
             "ok": len(answers) - len(refused),
@@ -137,29 +131,12 @@ async def _run(args: argparse.Namespace) -> dict:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.grammar_stall", description=__doc__.splitlines()[0])  # pyright: ignore[reportOptionalMemberAccess]
-    parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--streams", type=int, default=16)
+    parser = stream_load_parser("python -m benchmarks.grammar_stall", __doc__ or "", 16, 90.0, "the first grammar")
     parser.add_argument("--grammars", type=int, default=20)
     parser.add_argument("--depth", type=int, default=125, help="of each schema's nested objects (at most 125: JSON nested 251 deep)")
     parser.add_argument("--interval", type=float, default=1.0, help="seconds between two grammar requests")
-    parser.add_argument("--stagger", type=float, default=0.25, help="seconds between two plain streams' starts")
-    parser.add_argument("--settle", type=float, default=6.0, help="seconds of all plain streams before the first grammar")
-    parser.add_argument("--seconds", type=float, default=90.0, help="of load at most")
-    parser.add_argument("--out", help="also write the record to this file")
-    parser.add_argument("server_flags", nargs="*", help="after --: more `ringllm serve` flags")
-    args = parser.parse_args(argv)
-    args.argv = list(argv) if argv is not None else sys.argv[1:]
-    if args.model is None:
-        from runtime.models.source import default_model_dir
-
-        args.model = str(default_model_dir())
-    record = asyncio.run(_run(args))
-    line = orjson.dumps(record).decode()
-    if args.out:
-        Path(args.out).write_text(line + "\n")
-    print(line)
-    return record
+    args = parse_load_args(parser, argv)
+    return emit(asyncio.run(_run(args)), args.out)
 
 
 if __name__ == "__main__":

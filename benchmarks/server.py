@@ -3,14 +3,17 @@ waiting for health, and reading a streamed response's events."""
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import aiohttp
 import orjson
@@ -73,6 +76,17 @@ async def steady_stream(http: aiohttp.ClientSession, index: int, until: float, g
                 last = now
 
 
+async def start_streams(
+    http: aiohttp.ClientSession, count: int, stagger: float, until: float, per_stream: list[list[tuple[float, float]]]
+) -> list[asyncio.Task]:
+    """`count` steady streams until `until`, started `stagger` s apart, stream i recording into per_stream[i]."""
+    load = []
+    for i in range(count):
+        load.append(asyncio.create_task(steady_stream(http, i, until, per_stream[i])))
+        await asyncio.sleep(stagger)
+    return load
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -119,3 +133,55 @@ async def wait_healthy(http: aiohttp.ClientSession, timeout: float, server: subp
             pass
         await asyncio.sleep(0.1)
     raise TimeoutError(f"the server did not become healthy in {timeout} s")
+
+
+def gap_ms(seconds: float) -> float:
+    return round(seconds * 1e3, 2)
+
+
+def gap_summary(gaps: list[float]) -> dict:
+    """Inter-token gaps in milliseconds: how many, the median, the 99th percentile and the longest."""
+    ordered = sorted(gaps)
+    if not ordered:
+        return {"tokens": 0}
+    return {
+        "tokens": len(ordered),
+        "p50": gap_ms(statistics.median(ordered)),
+        "p99": gap_ms(ordered[int(0.99 * (len(ordered) - 1))]),
+        "max": gap_ms(ordered[-1]),
+    }
+
+
+def stream_load_parser(prog: str, doc: str, streams: int, seconds: float, settle: str) -> argparse.ArgumentParser:
+    """The flags of a benchmark that runs plain streams beside something else (a stall benchmark): the model, the
+    streams and their stagger, the settling time (`settle`: before what), the load's length, --out and, after --,
+    `ringllm serve` flags."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    parser.add_argument("--model", help="a model folder (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--streams", type=int, default=streams)
+    parser.add_argument("--stagger", type=float, default=0.25, help="seconds between two plain streams' starts")
+    parser.add_argument("--settle", type=float, default=6.0, help=f"seconds of all plain streams before {settle}")
+    parser.add_argument("--seconds", type=float, default=seconds, help="of load at most")
+    parser.add_argument("--out", help="also write the record to this file")
+    parser.add_argument("server_flags", nargs="*", help="after --: more `ringllm serve` flags")
+    return parser
+
+
+def parse_load_args(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """The parsed flags, with the command line as given (args.argv) and the default model's folder filled in."""
+    args = parser.parse_args(argv)
+    args.argv = list(argv) if argv is not None else sys.argv[1:]
+    if args.model is None:
+        from runtime.models.source import default_model_dir
+
+        args.model = str(default_model_dir())
+    return args
+
+
+def emit(record: dict, out: str | None) -> dict:
+    """A benchmark's record as its last line printed, and into `out` where given."""
+    line = orjson.dumps(record).decode()
+    if out:
+        Path(out).write_text(line + "\n")
+    print(line)
+    return record
