@@ -471,9 +471,10 @@ class Supervisor:
             members = self._members(group)
             live = [m for m in members if m in self._procs]
             if self._nodes.leads:
-                if live and self._nodes.failed(group) == start:
+                standing = [m for m in live if m not in self._taken_down]
+                if standing and self._nodes.failed(group) == start:
                     log.warning("group_failed_elsewhere", group=group, start=start)
-                    self._take_down(live)
+                    self._take_down(standing)
             elif (latest := self._nodes.start(group)) != start:
                 if live:
                     self._take_down(live)

@@ -11,6 +11,7 @@ import pytest
 
 from runtime.llm import LLM
 from runtime.sampling_params import SamplingParams
+from runtime.scheduler.disaggregated import Disaggregated
 from tests.conftest import launch, ringllm, with_tokenizer
 from tests.test_serving import _stream_text, complete_ids
 from tests.test_tensor_parallel import PROMPTS, SPLIT
@@ -36,7 +37,10 @@ def test_a_prefill_and_a_decode_engine_give_the_tokens_one_engine_gives(model, p
         assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
         assert decode.imported_bytes > copied  # the decode engine took the prompts' KV from the prefill engine's pool
         assert attempt == 0 or all(o.cached_tokens >= 32 for o in outputs[:3]), [o.cached_tokens for o in outputs]
-    assert not pd.scheduler.prefill.handed and pd.scheduler.prefill.used_pages() == pd.scheduler.prefill.cache.cached_pages
+    pair = pd.scheduler
+    assert isinstance(pair, Disaggregated) and pair.prefill.cache is not None
+    assert not pair.prefill.handed and pair.prefill.used_pages() == pair.prefill.cache.cached_pages  # only the cache's
+    assert pair.decode.used_pages() == 0 and not pair.decode.incoming
 
 
 def server_metrics(server) -> dict[str, float]:
