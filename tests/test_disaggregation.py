@@ -95,3 +95,15 @@ def test_a_disaggregation_that_cannot_run_is_refused_before_anything_starts(mode
 def test_a_model_with_sliding_windows_is_refused(tiny_model):
     with pytest.raises(ValueError, match="sliding windows"):
         LLM(tiny_model("mistral_window"), pd=True)
+
+
+def test_a_grammar_holds_across_the_handover(smollm2):
+    """A request held to a schema draws its first token under the grammar on the prefill engine and the rest on the
+    decode engine, whose grammar goes on from that token: the same JSON as one engine gives."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}}, "required": ["a", "b"]}
+    params = SamplingParams(max_tokens=40, temperature=0.7, seed=3, guide=("json_schema", orjson.dumps(schema).decode()))
+    prompts = ["Give JSON:", "Some object please:"]
+    reference = LLM(smollm2, dtype="float32").generate(prompts, params)
+    outputs = LLM(smollm2, dtype="float32", pd=True).generate(prompts, params)
+    assert [o.token_ids for o in outputs] == [r.token_ids for r in reference]
+    assert all(o.text.startswith("{") for o in outputs)
