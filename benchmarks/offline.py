@@ -47,7 +47,8 @@ MINI_SGLANG_VOCAB = 151_643  # Qwen3's tokenizer.vocab_size, the range of mini-s
 SINGLE_PROMPT = 886  # ids of the --single request's prompt (the first prompt's first): the length of all earlier figures
 SINGLE_REPEATS = 3  # one request lasts about half a second on the H200; three such windows, each from a server of its
 # own, gave 991, 1,110 and 1,074 tok/s (Qwen3-0.6B through the pipeline, benchmarks/results/h200-probe-session14.log)
-SERVE_FLAGS = ("api_workers", "data_parallel_size", "dp_policy")  # the serving settings a pipeline run takes
+# the serving settings a pipeline run takes (a node past the first of a group is a `ringllm serve --node-rank` of its own)
+SERVE_FLAGS = ("api_workers", "data_parallel_size", "dp_policy", "nnodes", "node_rank", "dist_init_addr")
 
 
 def workload(
@@ -189,6 +190,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, Engin
         parser.error("--rounds must be at least 1")
     if args.in_process and args.data_parallel_size > 1:
         parser.error("--dp needs the pipeline: replicas are placed by its tokenizer")
+    if args.in_process and args.nnodes > 1:
+        parser.error("--nnodes needs the pipeline: node 0's supervisor meets the other nodes")
     try:
         engine = EngineConfig.from_cli_args(args)
         return args, engine, None if args.in_process else _server(args, engine)
