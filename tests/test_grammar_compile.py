@@ -10,6 +10,7 @@ import contextlib
 import functools
 import json
 import re
+import sys
 import time
 from collections.abc import Iterator
 
@@ -17,6 +18,7 @@ import aiohttp
 import numpy as np
 import openai
 import pytest
+import torch
 
 from benchmarks.server import sse_events
 from runtime.config import EngineConfig, ModelConfig
@@ -84,6 +86,19 @@ def test_a_compile_past_the_bound_refuses_at_once_and_its_grammar_is_kept(masks)
     assert masks.take_prepared() == [(4, None)]
     masks.open(0, SamplingParams(guide=SLOWISH))
     assert masks.constrains(np.array([0]))
+
+
+def test_without_xgrammar_the_engine_warms_up_and_a_guided_request_is_refused_with_why(smollm2, monkeypatch):
+    monkeypatch.setitem(sys.modules, "xgrammar", None)  # as where the optional structured extra is not installed
+    cfg = ModelConfig.load(smollm2)
+    masks = GrammarMasks(smollm2, cfg.vocab_size, cfg.eos_token_ids)
+    try:
+        masks.warm_up(torch.device("cpu"))
+        masks.prepare(1, QUICK)
+        refused = _answers(masks, {1})[1]
+        assert refused is not None and "xgrammar" in refused
+    finally:
+        masks.stop()
 
 
 @pytest.mark.slow  # the builder process imports xgrammar and loads the tokenizer

@@ -36,6 +36,7 @@ that runs past --grammar-compile-timeout refuses its request with a 400 instead.
 from __future__ import annotations
 
 import functools
+import importlib.util
 import os
 import queue
 import threading
@@ -153,6 +154,8 @@ class GrammarMasks:
         """What the first grammar would wait for: the vocabulary's grammar compiler (seconds for a large
         vocabulary), and the mask kernel, which would build between steps (Triton's, at its first run)."""
         if not any(self.model_dir.glob("tokenizer*")):  # token ids only: nothing can be constrained
+            return
+        if importlib.util.find_spec("xgrammar") is None:  # an optional extra: the engine serves, a guided request fails
             return
         self._loaded_compiler(beside_steps=False)
         self._apply_masks(torch.zeros(1, self.vocab_size, device=device), self._bitmask_rows(1, device), [0])
