@@ -76,6 +76,7 @@ class ApiWorker(Actor):
         self.deterministic = serve.engine.deterministic
         self.config = serve.record()  # what /server_info reports, so a benchmark records what ran
         self.priorities = serve.engine.schedule_policy == "priority"
+        self.adapters = serve.engine.lora_adapters  # LoRA adapters loaded at start (--lora-paths)
         self.tool_call_parser, self.reasoning_parser = serve.tool_call_parser, serve.reasoning_parser
         self._tokenizer_slot = self.control.index("tokenizer")
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
@@ -323,7 +324,9 @@ class ApiWorker(Actor):
 
     def limits(self) -> Limits:
         token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
-        return Limits(self.max_model_len, self.vocab_size, token_bytes, self.priorities, self.tool_call_parser, self.reasoning_parser)
+        return Limits(
+            self.max_model_len, self.vocab_size, token_bytes, self.priorities, self.tool_call_parser, self.reasoning_parser, self.adapters
+        )
 
     def health(self) -> str:
         """ "ok"; "draining" on the way down; "recovering" from an actor's start or restart until a ping of the

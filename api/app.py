@@ -510,26 +510,22 @@ class Handlers:
             _cut_off(request, rid, "write_timeout")
             raise ConnectionResetError("the client stopped reading") from None
 
-    def _model_card(self) -> dict:
-        return {
-            "id": self.gateway.served_model,
-            "object": "model",
-            "created": int(time.time()),
-            "owned_by": "ringllm",
-            "root": self.gateway.served_model,
-            "max_model_len": self.gateway.max_model_len,
-        }
+    def _model_cards(self) -> list[dict]:
+        """The served model's card, then each LoRA adapter's, with the served model as its parent (as vLLM lists them)."""
+        served, created = self.gateway.served_model, int(time.time())
+        card = {"object": "model", "created": created, "owned_by": "ringllm", "max_model_len": self.gateway.max_model_len}
+        adapters = [{**card, "id": name, "root": path, "parent": served} for name, path in self.gateway.limits().adapters]
+        return [{**card, "id": served, "root": served, "parent": None}, *adapters]
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json({"object": "list", "data": [self._model_card()]})
+        return _json({"object": "list", "data": self._model_cards()})
 
     async def model(self, request: web.Request) -> web.Response:
-        """GET /v1/models/{id}: the served model's card, else OpenAI's 404."""
-        if request.match_info["id"] != self.gateway.served_model:
-            raise ApiError(
-                f"the model '{request.match_info['id']}' does not exist", 404, param="model", code="model_not_found", kind="NotFoundError"
-            )
-        return _json(self._model_card())
+        """GET /v1/models/{id}: the served model's card or an adapter's, else OpenAI's 404."""
+        wanted = request.match_info["id"]
+        if (card := next((card for card in self._model_cards() if card["id"] == wanted), None)) is None:
+            raise ApiError(f"the model '{wanted}' does not exist", 404, param="model", code="model_not_found", kind="NotFoundError")
+        return _json(card)
 
     async def health(self, request: web.Request) -> web.Response:
         status = self.gateway.health()

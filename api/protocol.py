@@ -61,6 +61,7 @@ class Limits:
     priorities: bool = False  # the priority schedule policy: requests may carry a 'priority'
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how tool calls are written (api.chat_output), and forced ones held to it
     reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.chat_output)
+    adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter served: a request names one as its model
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -276,18 +277,23 @@ def parse_prefixes(body: Any, limits: Limits) -> list[dict]:
     return out
 
 
+def _not_found(message: str, param: str) -> ApiError:
+    return ApiError(message, 404, param=param, code="model_not_found", kind="NotFoundError")
+
+
 def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completion:
     if not isinstance(body, dict):
         raise ApiError("the request body must be a JSON object")
     model = _get(body, "model", (str,), default=served_model)  # omitted: the served model, as vLLM does
-    if model != served_model:
-        raise ApiError(
-            f"the model '{model}' does not exist; this server serves '{served_model}'",
-            status=404,
-            param="model",
-            code="model_not_found",
-            kind="NotFoundError",
-        )
+    adapters = [name for name, _ in limits.adapters]
+    lora = _get(body, "lora_path", (str,))  # SGLang's field: an adapter by name, whatever the model says
+    if model in adapters:  # vLLM's way: the adapter's name as the model
+        lora = lora or model
+    elif model != served_model:
+        served = ", ".join(f"'{name}'" for name in (served_model, *adapters))
+        raise _not_found(f"the model '{model}' does not exist; this server serves {served}", "model")
+    if lora is not None and lora not in adapters:
+        raise _not_found(f"no LoRA adapter named '{lora}' is loaded; loaded: {adapters}", "lora_path")
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)
@@ -305,7 +311,7 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
     prompts = [{"messages": _messages(body)}] if chat else _prompts(body, limits)
     echo = _get(body, "echo", (bool,), False)
     prompt_logprobs = _get(body, "prompt_logprobs", (int,))
-    params = _sampling(body, chat, limits, echo, prompt_logprobs)
+    params = replace(_sampling(body, chat, limits, echo, prompt_logprobs), lora=lora)
     stop = _get(body, "stop", (str, list), default=[])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > MAX_STOPS or not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stop):

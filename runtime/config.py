@@ -412,6 +412,25 @@ FLOAT32_NAMES = ("float32", "fp32")
 
 SCHEDULE_POLICIES = ("fcfs", "priority")
 
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")  # PEFT's names of the projections
+DEFAULT_MAX_LORA_RANK = 64
+
+
+def lora_adapter(entry: str) -> tuple[str, str]:
+    """(name, path) of a --lora-paths entry: NAME=PATH, a bare PATH (named by its last part), or vLLM's JSON object."""
+    if entry.startswith("{"):
+        try:
+            spec = json.loads(entry)
+            return str(spec["name"]), str(spec["path"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f'a JSON --lora-modules entry is {{"name": ..., "path": ...}}, not {entry}') from None
+    name, sep, path = entry.partition("=")
+    if not sep:
+        return Path(entry.rstrip("/")).name, entry
+    if not name or not path:
+        raise ValueError(f"a --lora-paths entry is NAME=PATH or PATH, not {entry!r}")
+    return name, path
+
 
 def _by_device(name: str) -> str:
     """The help text's note on a default that depends on the device."""
@@ -588,6 +607,29 @@ class EngineConfig(CliConfig):
             "(the request waits out of the batch meanwhile)"
         ),
     )
+    # LoRA adapters (runtime.models.lora), with SGLang's flags and vLLM's spellings
+    enable_lora: bool = field(default=False, metadata=flag("serve LoRA adapters over the base model; a request names one as its model"))
+    lora_paths: tuple[str, ...] = field(
+        default=(),
+        metadata=flag(
+            "adapters loaded at start, each NAME=PATH (a PEFT folder), a bare PATH (named by its folder) or vLLM's JSON "
+            '{"name": ..., "path": ...}; implies --enable-lora',
+            ("--lora-paths", "--lora-modules"),
+            metavar="NAME=PATH",
+        ),
+    )
+    max_loras_per_batch: int = field(
+        default=8, metadata=flag("the most distinct adapters one step runs", ("--max-loras-per-batch", "--max-loras"))
+    )
+    max_loaded_loras: int | None = field(
+        default=None, metadata=flag("the most adapters held in host memory (default: no bound)", ("--max-loaded-loras", "--max-cpu-loras"))
+    )
+    max_lora_rank: int | None = field(
+        default=None, metadata=flag(f"the largest adapter rank served (default: the largest of --lora-paths, else {DEFAULT_MAX_LORA_RANK})")
+    )
+    lora_target_modules: tuple[str, ...] = field(
+        default=(), metadata=flag(f"the projections adapters may train (default: all of {', '.join(LORA_TARGETS)})", choices=LORA_TARGETS)
+    )
 
     def __post_init__(self) -> None:
         """Fill in the device's defaults, and refuse sizes that could never run."""
@@ -664,6 +706,26 @@ class EngineConfig(CliConfig):
             raise ValueError("deterministic inference runs unquantized weights and KV on one rank (FP8 scales and all-reduces mix rows)")
         if self.deterministic and self.device == "cpu" and self.dtype == "auto":  # the CPU's batch-invariant attention is fp32
             object.__setattr__(self, "dtype", "float32")
+        self._check_lora()
+
+    def _check_lora(self) -> None:
+        if self.lora_paths:  # as SGLang: adapters given turn LoRA on
+            object.__setattr__(self, "enable_lora", True)
+        for name, least in (("max_loras_per_batch", 1), ("max_loaded_loras", 1), ("max_lora_rank", 1)):
+            if (value := getattr(self, name)) is not None and value < least:
+                raise ValueError(f"{name} must be at least {least}, not {value}")
+        names = [name for name, _ in self.lora_adapters]
+        if len(set(names)) != len(names):
+            raise ValueError(f"--lora-paths names an adapter twice: {names}")
+        if self.max_loaded_loras is not None and len(names) > self.max_loaded_loras:
+            raise ValueError(f"--lora-paths gives {len(names)} adapters; --max-loaded-loras holds {self.max_loaded_loras}")
+        if self.enable_lora and (self.pd or self.speculative_algorithm or self.deterministic):
+            raise ValueError("LoRA adapters are served without --pd, speculative decoding and deterministic inference")
+
+    @property
+    def lora_adapters(self) -> tuple[tuple[str, str], ...]:
+        """(name, path) of each --lora-paths entry."""
+        return tuple(lora_adapter(entry) for entry in self.lora_paths)
 
     @property
     def fp8_kv(self) -> bool:

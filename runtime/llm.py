@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 from runtime.config import EngineConfig, ModelConfig, speculative_fields
 from runtime.distributed import SINGLE, TensorParallel, check_parallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
+from runtime.models.lora import Adapters
 from runtime.models.source import load_tokenizer, resolve_model_dir
 from runtime.obs.gc_pauses import freeze_startup_heap
 from runtime.sampling_params import SamplingParams
@@ -153,6 +154,9 @@ class LLM:
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")
+        loaded = self.engine.adapters.loaded if self.engine.adapters is not None else {}
+        if unknown := sorted({sp.lora for sp in per_prompt if sp.lora is not None and sp.lora not in loaded}):
+            raise ValueError(f"no LoRA adapter named {', '.join(unknown)} is loaded; loaded: {sorted(loaded)}")
         requests = [self.scheduler.add(next(self._rids), self._encode(p), sp) for p, sp in zip(prompts, per_prompt)]
         sides = self._sides()
         in_flight: list[deque[tuple[int, PendingStep]]] = [deque() for _ in sides]  # plan later steps while earlier ones run
@@ -192,6 +196,26 @@ class LLM:
 
     def flush_cache(self) -> int:
         return self.scheduler.flush_cache()
+
+    def load_lora_adapter(self, name: str, path: str | Path) -> None:
+        """Serve the PEFT adapter at `path` as `name` (SamplingParams.lora); a name loaded already takes the new weights,
+        and the prefix cache, which may hold KV of the old ones, is flushed."""
+        adapters = self._adapters()
+        reloaded = name in adapters.loaded
+        adapters.load(name, str(path))
+        if reloaded:
+            self.flush_cache()
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self._adapters().unload(name)
+        self.flush_cache()  # its prefixes: a later adapter of the same name must not read them
+
+    def _adapters(self) -> Adapters:
+        if self.engine.adapters is None:
+            raise ValueError("LoRA is off: LLM(..., enable_lora=True) serves adapters")
+        if self.config.tensor_parallel_size > 1:
+            raise ValueError("in process, adapters load at start under tensor parallelism (lora_paths)")
+        return self.engine.adapters
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (also done when the LLM is garbage-collected)."""

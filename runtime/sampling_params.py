@@ -65,6 +65,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs added to the logits, as OpenAI's
     # vLLM's: the prefix cache's namespace; a request reuses only KV cached under the same salt (None: the shared one)
     cache_salt: str | None = None
+    lora: str | None = None  # the LoRA adapter it runs with, by name (runtime.models.lora); None: the base model alone
 
     def __post_init__(self) -> None:
         """Lists become tuples (the frames carry lists), then every range is checked: the first that

@@ -60,6 +60,9 @@ ALONE |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path":
 NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}  # a second node of a group
 # prefill-decode disaggregation: one replica over kept pools, one rank a side, without speculation
 PD = {"pd": True, "tensor_parallel_size": 1, "speculative_algorithm": None, "speculative_num_steps": None}
+# LoRA adapters, without speculation
+LORA = {"speculative_algorithm": None, "speculative_num_steps": None, "lora_paths": ("a=/adapters/a", "/adapters/b")}
+LORA |= {"max_loras_per_batch": 3, "max_loaded_loras": 4, "max_lora_rank": 32, "lora_target_modules": ("q_proj", "v_proj")}
 SERVE = {
     "served_model_name": "served",
     "host": "0.0.0.0",
@@ -101,6 +104,7 @@ def configs(model_dir: Path) -> list[ServeConfig]:
         ServeConfig(
             model_dir=str(model_dir), **{**SERVE, "data_parallel_size": 1, "shared_kv_pool": True}, engine=EngineConfig(**ENGINE | PD)
         ),
+        ServeConfig(model_dir=str(model_dir), **SERVE, engine=EngineConfig(**ENGINE | LORA)),
     ]
 
 

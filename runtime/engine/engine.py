@@ -38,6 +38,7 @@ from runtime.models.decoder import DecoderLayer
 from runtime.models.eagle import Eagle3Head, EagleHead, aux_layers
 from runtime.models.fp8 import kv_scales
 from runtime.models.loader import build_model
+from runtime.models.lora import Adapters
 from runtime.models.source import resolve_model_dir
 from runtime.sampling_params import SamplingParams
 from runtime.step import DRAFT_HERE, Chunk, HeldKV, Sampled, StepPlan
@@ -316,7 +317,15 @@ class Engine:
             raise ValueError("multi-head latent attention keeps its latents in the model's dtype (--kv-cache-dtype auto)")
         if cfg.window and (config.hierarchical_cache or config.speculative_algorithm in MODEL_DRAFTS):
             raise ValueError("models with sliding windows run without --enable-hierarchical-cache and without draft models (NGRAM drafts)")
-        self.model = build_model(cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization)
+        if config.enable_lora and (cfg.moe is not None or cfg.mla is not None):
+            raise ValueError("LoRA adapters are served over dense models without latent attention")
+        self.adapters = Adapters(cfg, config, tp, self.device) if config.enable_lora else None
+        adapt = self.adapters.attach if self.adapters is not None else None
+        self.model = build_model(
+            cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization, adapt=adapt
+        )
+        for name, path in config.lora_adapters:
+            self.adapters.load(name, path)  # pyright: ignore[reportOptionalMemberAccess]  # lora_paths turn LoRA on
         # deterministic inference: projections, then the sampler's row-wise reductions, on blocks of this many rows
         self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
 
@@ -392,7 +401,7 @@ class Engine:
         """(the largest decode batch, the most prefill tokens) that CUDA graphs capture, 0 for none.
         Graphs are captured on CUDA under the flashinfer backend only."""
         config = self.config
-        if self.device.type != "cuda" or config.attention_backend != "flashinfer":
+        if self.device.type != "cuda" or config.attention_backend != "flashinfer" or config.enable_lora:  # LoRA steps run eager
             return 0, 0
         return min(config.cuda_graph_max_bs, config.max_running_requests), config.cuda_graph_max_prefill_tokens
 
@@ -760,6 +769,8 @@ class Engine:
         else:
             batch.before_layer = waits.layer if waits is not None else None
             self.attention.prepare(step.meta)
+            if self.adapters is not None:
+                self.adapters.set_rows([self.slots[slot].params.lora for slot in step.seq_slots], np.diff(step.qo_indptr))
             hidden = self.model(batch, self.attention)
         self._prompt_logprobs(plan, step, hidden)
         if self.drafter is not None:

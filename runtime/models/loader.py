@@ -39,10 +39,12 @@ def build_model(
     fused_ops: str | None = None,
     tp: TensorParallel = SINGLE,
     quantization: str | None = None,
+    adapt: Callable[[nn.Module], None] | None = None,
 ) -> DecoderForCausalLM:
     """The model on `device`, holding this rank's shard of every weight; with quantization "fp8", a
-    checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
-    shard's rows)."""
+        checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
+        shard's rows). `adapt`: called with the model once its weights are in, before any projection is replaced (LoRA's
+    wrappers, runtime.models.lora)."""
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)
@@ -61,6 +63,8 @@ def build_model(
         _random_weights(model)
     else:
         _load_safetensors(model, model_dir, lambda name, source: read_shard(name, source, cfg, tp), cfg.fp8)
+    if adapt is not None:
+        adapt(model)
     if device.type == "cuda" and (cfg.fp8 is not None or quantization == "fp8"):  # one byte a weight, FP8 GEMMs
         log.info("fp8_linears", projections=use_fp8_linears(model, cfg.fp8.weight_block if cfg.fp8 else None))
         torch.cuda.empty_cache()  # the bf16 weights' memory goes back to the device, for the KV pool

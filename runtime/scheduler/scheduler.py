@@ -21,6 +21,7 @@ from runtime.step import DRAFT_HERE, MAX_PLAN_HISTORY_TOKENS, Chunk, HeldKV, Hos
 
 FINISH_REASONS = ("stop", "length", "abort")  # every finish_reason a request can end with
 LONG_ROPE_SALT = "\x00long-rope"  # what a LongRoPE model's long prompt adds to its cache salt (Scheduler.add)
+LORA_SALT = "\x00lora:"  # before the adapter's name, what a request with a LoRA adapter adds to its cache salt
 # NGRAM found no draft: a lookup needs every token answered, which stalls the device between steps, so the
 # request decodes this many steps with the others in flight before it looks again
 PLAIN_DECODES_AFTER_A_MISS = 4
@@ -139,6 +140,8 @@ class Scheduler:
             params = replace(params, max_tokens=self.max_position - len(prompt_ids))
         if self.long_rope_from is not None and len(prompt_ids) > self.long_rope_from:  # LongRoPE's long factors at every
             params = replace(params, cache_salt=f"{params.cache_salt or ''}{LONG_ROPE_SALT}")  # position: KV of its own
+        if params.lora is not None:  # KV computed through an adapter is the adapter's: its prefixes are cached apart
+            params = replace(params, cache_salt=f"{params.cache_salt or ''}{LORA_SALT}{params.lora}")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(rid, list(prompt_ids), params, seed, list(generated), pin=pin)
         self._queue(request, first=False)
@@ -211,11 +214,16 @@ class Scheduler:
                 if drafting and not drafts and self.speculating:  # nothing to draft: some plain decodes before looking again
                     request.decoding, request.plain_decodes = True, PLAIN_DECODES_AFTER_A_MISS
         history = 0
+        adapters = {r.params.lora for r in self.running} - {None}
         for request in list(self.waiting):
             if budget <= 0 or not self._free_slots:
                 break
             if request.compiling:  # it waits for its grammar, and the queue passes it by
                 continue
+            if (lora := request.params.lora) is not None and lora not in adapters:
+                if len(adapters) >= self.config.max_loras_per_batch:  # one adapter too many for a step: the queue passes it by
+                    continue
+                adapters.add(lora)
             history += len(request.tokens)
             if plan.new_slots and history > MAX_PLAN_HISTORY_TOKENS or not self._admit(request, plan):
                 break
