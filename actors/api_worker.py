@@ -31,9 +31,10 @@ from aiohttp import web
 
 from actors.base import Actor
 from actors.control import ActorState
-from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, Ping, Submit, decode
+from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, LoraAdapter, Ping, Submit, decode
 from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import first_counter, make_rid
+from actors.lora_registry import read_registry, write_registry
 from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.connections import ConnectionGuard, ConnectionLimits, GuardedSite, connection_cap, runner_options
@@ -50,6 +51,7 @@ log = structlog.get_logger()
 PING_S = 1.0  # a ping goes through the pipeline this often
 WARM_PARAMS = SamplingParams(max_tokens=1, temperature=0)  # a warm-up request: prefill, and one greedy token
 FLUSH_TIMEOUT_S = 30.0  # a flush that has not come back by then was lost (a crash took it)
+ADAPTER_TIMEOUT_S = 300.0  # an adapter's load that has not come back by then was lost (reading a large one takes a while)
 STALLED_AFTER_S = 10.0  # /health says "stalled" once no ping has come back for this long (a loaded pipeline is slow, not down)
 
 
@@ -76,7 +78,7 @@ class ApiWorker(Actor):
         self.deterministic = serve.engine.deterministic
         self.config = serve.record()  # what /server_info reports, so a benchmark records what ran
         self.priorities = serve.engine.schedule_policy == "priority"
-        self.adapters = serve.engine.lora_adapters  # LoRA adapters loaded at start (--lora-paths)
+        self.lora, self.started_adapters = serve.engine.enable_lora, serve.engine.lora_adapters
         self.tool_call_parser, self.reasoning_parser = serve.tool_call_parser, serve.reasoning_parser
         self._tokenizer_slot = self.control.index("tokenizer")
         self._tokenizer_restarts = int(self.control.slots[self._tokenizer_slot]["restarts"])
@@ -96,6 +98,7 @@ class ApiWorker(Actor):
         self.schedulers = scheduler_names(serve)
         # rid -> the pages each replica's flush evicted, and the future that gets their sum once all are back
         self._flushes: dict[int, tuple[list[int], asyncio.Future[int]]] = {}
+        self._adapter_ops: dict[int, tuple[list[LoraAdapter], asyncio.Future[list[LoraAdapter]]]] = {}
         self._replaying: asyncio.Task | None = None
         self._warming: asyncio.Task | None = None
         # prefixes this worker pinned (POST /warm_prefixes; worker 0 also --warm-prefixes), warmed again in a new epoch
@@ -169,6 +172,12 @@ class ApiWorker(Actor):
                             answers.append(pages)
                             if len(answers) == len(self.schedulers) and not flushed.done():
                                 flushed.set_result(sum(answers))
+                    case LoraAdapter() as answer:
+                        if (op := self._adapter_ops.get(frame.rid)) is not None:
+                            answers, done = op
+                            answers.append(answer)
+                            if len(answers) == len(self.schedulers) and not done.done():
+                                done.set_result(answers)
         finally:
             pinger.cancel()
 
@@ -272,6 +281,39 @@ class ApiWorker(Actor):
         finally:
             self._flushes.pop(rid, None)
 
+    async def lora_adapter(self, name: str, path: str | None) -> dict[str, str]:
+        """Load the adapter at `path` as `name` on every engine (None: unload it); the adapters served after."""
+        if not self.lora:
+            raise ApiError("LoRA is off: start the server with --enable-lora (or --lora-paths) to load adapters", param="lora_name")
+        served = self.adapters()
+        if path is None and name not in served:
+            raise ApiError(f"no LoRA adapter named '{name}' is loaded", 404, "lora_name", "model_not_found", "NotFoundError")
+        if name == self.served_model:
+            raise ApiError(f"'{name}' names the base model", param="lora_name")
+        rid = make_rid(self.worker, next(self._counter))
+        done = asyncio.get_running_loop().create_future()
+        self._adapter_ops[rid] = ([], done)
+        try:
+            await self.send("tokenizer", LoraAdapter(name, path), rid)
+            answers = await asyncio.wait_for(done, ADAPTER_TIMEOUT_S)
+        except TimeoutError:
+            raise ApiError("the adapter's load or unload was lost in a pipeline restart; ask again", 503, kind="server_error") from None
+        finally:
+            self._adapter_ops.pop(rid, None)
+        if errors := [answer.error for answer in answers if answer.error is not None]:
+            raise ApiError(errors[0], param="lora_path" if path is not None else "lora_name")
+        served = self.adapters()
+        if path is None:
+            served.pop(name, None)
+        else:
+            served[name] = path
+        write_registry(self.ctx.server, served)
+        return served
+
+    def adapters(self) -> dict[str, str]:
+        """name -> path of each LoRA adapter served now."""
+        return read_registry(self.ctx.server, self.started_adapters) if self.lora else {}
+
     async def warm(self, prefixes: list[dict]) -> list[dict]:
         """Each prefix runs as a one-token greedy request marked to pin its prompt in the prefix cache;
         this worker warms them again after a restart of the pipeline (which empties the cache). A refusal,
@@ -325,7 +367,13 @@ class ApiWorker(Actor):
     def limits(self) -> Limits:
         token_bytes = int(self.control.slots[self._tokenizer_slot]["gauges"][TokenizerGauge.TOKEN_BYTES])  # 0 until it has loaded
         return Limits(
-            self.max_model_len, self.vocab_size, token_bytes, self.priorities, self.tool_call_parser, self.reasoning_parser, self.adapters
+            self.max_model_len,
+            self.vocab_size,
+            token_bytes,
+            self.priorities,
+            self.tool_call_parser,
+            self.reasoning_parser,
+            tuple(self.adapters().items()),
         )
 
     def health(self) -> str:

@@ -15,7 +15,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from actors.base import Actor
-from actors.frames import Announce, Delta, Deltas, FlushCache, Ping, Refusal, TokenItem, Tokens, decode
+from actors.frames import Announce, Delta, Deltas, FlushCache, LoraAdapter, Ping, Refusal, TokenItem, Tokens, decode
 from actors.kinds import worker_of
 from runtime.models.source import load_tokenizer
 from runtime.step import PromptLogprob
@@ -71,7 +71,7 @@ class DetokenizerActor(Actor):
                     for worker, deltas in by_worker.items():
                         for part in _frames(deltas):
                             await self.send(f"api{worker}", Deltas(part), epoch=frame.epoch)
-                case Ping() | FlushCache():
+                case Ping() | FlushCache() | LoraAdapter():
                     await self.send(f"api{worker_of(frame.rid)}", payload, frame.rid, epoch=frame.epoch)
                 case Refusal():
                     self.streams.pop(frame.rid, None)

@@ -48,14 +48,16 @@ import structlog
 import torch
 
 from actors.base import Actor
-from actors.frames import Adopt, Compile, Ping, Step, StepResults, decode
+from actors.frames import Adopt, Compile, LoraAdapter, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
 from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
+from actors.lora_registry import read_registry
 from actors.pipeline import engine_names, engine_units, node_ranks, pool_outlives_engine, unit_role
 from actors.relay import FrameRelay
 from runtime.batch import StepAbandoned
 from runtime.distributed import TensorParallel, rank_device
 from runtime.engine.engine import Engine, PendingStep
+from runtime.models.lora import AdapterError
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
 from runtime.step import HeldKV
@@ -149,6 +151,39 @@ class EngineActor(Actor):
 
         self.engine.map_peer(pages, memory)
 
+    def _lora_adapter(self, op: LoraAdapter) -> LoraAdapter:
+        """Load or unload the adapter between steps (a step in flight keeps the weights it was launched with: a slot is
+        rewritten on the stream, after it); the answer says why not, where it fails."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return dataclasses.replace(op, error="LoRA is off: start the server with --enable-lora (or --lora-paths) to load adapters")
+        replaced = op.name in adapters.loaded
+        try:
+            if op.path is None:
+                adapters.unload(op.name)
+            else:
+                adapters.load(op.name, op.path)
+        except AdapterError as exc:
+            return dataclasses.replace(op, error=str(exc))
+        log.info("lora_adapter_loaded" if op.path else "lora_adapter_unloaded", name=op.name, path=op.path)
+        return dataclasses.replace(op, replaced=replaced)
+
+    def _reload_adapters(self) -> None:
+        """A restarted engine, or a promoted spare, serves what the server served before it: the adapters loaded or
+        unloaded at run time too (actors.lora_registry), not only --lora-paths."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return
+        served = read_registry(self.ctx.server, self.options["serve"].engine.lora_adapters)
+        for name in [name for name in adapters.loaded if name not in served]:
+            adapters.unload(name)
+        for name, path in served.items():
+            if name not in adapters.loaded or adapters.loaded[name].path != path:
+                try:
+                    adapters.load(name, path)
+                except AdapterError as exc:  # its folder went away meanwhile: requests for it fail, the engine serves on
+                    log.warning("lora_adapter_not_reloaded", name=name, error=str(exc))
+
     def _kept_kv(self, address: str, size: int) -> torch.Tensor:
         self.kv_segment, memory = map_kept_pool(address, size)
         return memory
@@ -170,6 +205,7 @@ class EngineActor(Actor):
 
     async def run(self) -> None:
         torch.set_num_threads(self.threads)  # a promoted spare's cores
+        self._reload_adapters()  # here, not in setup: a warm spare may have set up before the last load or unload
         # only now, not in setup: a warm spare sets up while the engine it may replace still runs on this row
         self.slot["gauges"][EngineGauge.PROGRESS] = 0.0  # a stamp left by a predecessor that died mid-step
         self.slot["gauges"][EngineGauge.HOST_POOL] = self.engine.tiers.num_pages if self.engine.tiers else 0
@@ -191,6 +227,11 @@ class EngineActor(Actor):
                     if self.rank == 0:
                         tiers = self.engine.tiers
                         await self.send(self.scheduler, Adopt(self.held, str(tiers.disk) if tiers and tiers.disk else None))
+                    continue
+                if isinstance(payload, LoraAdapter):
+                    answer = self._lora_adapter(payload)
+                    if self.rank == 0:
+                        await self.send(self.scheduler, answer, got[1].rid)
                     continue
                 if isinstance(payload, Compile):  # a request waits out of the batch until its grammar is compiled
                     if payload.guide is None:  # it was aborted meanwhile

@@ -326,8 +326,20 @@ class FlushCache(Payload):
     unpin: bool = False
 
 
+@dataclass(frozen=True)
+class LoraAdapter(Payload):
+    """Load a LoRA adapter (`path` given) or unload it (`path` None) on every engine of every scheduler; rank 0
+    answers with `error` None when done (`replaced`: a loaded adapter of that name took the new weights)."""
+
+    KIND = Kind.LORA_ADAPTER
+    name: str
+    path: str | None = None
+    error: str | None = None
+    replaced: bool = False
+
+
 PAYLOADS: dict[int, type[Payload]] = {
-    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache, Adopt, Compile)
+    p.KIND: p for p in (Submit, Abort, Tokenized, Refusal, Step, StepResults, Tokens, Deltas, Ping, FlushCache, Adopt, Compile, LoraAdapter)
 }
 
 

@@ -16,6 +16,7 @@ class Kind(IntEnum):
     FLUSH_CACHE = 10  # api worker → tokenizer → scheduler (evicts the prefix cache) → detokenizer → api worker
     ADOPT = 11  # scheduler → engine at an epoch's start, and back: the KV the engine kept of the epoch before
     COMPILE = 12  # scheduler → engine: compile a waiting request's grammar; engine → scheduler: compiled, or why not
+    LORA_ADAPTER = 13  # api worker → tokenizer → scheduler → engines (load or unload) → scheduler → detokenizer → api worker
 
 
 def worker_of(rid: int) -> int:

@@ -34,6 +34,7 @@ from actors.frames import (
     Compile,
     Detok,
     FlushCache,
+    LoraAdapter,
     Ping,
     Refusal,
     Step,
@@ -217,6 +218,7 @@ class SchedulerActor(Actor):
         self._engines_lost: set[str] = set()
         self.in_flight = {role: deque[int]() for role in self.sides}
         self.compiling: dict[int, Request] = {}  # waiting requests whose grammar the engines compile (Request.compiling)
+        self.unloaded: set[str] = set()  # LoRA adapters unloaded since this scheduler started: a request for one is refused
         # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)
         self.adopting = self._ask_adoption = True
         self._publish_gauges()  # a new epoch starts empty
@@ -336,6 +338,8 @@ class SchedulerActor(Actor):
                     return
                 self.slot["gauges"][SchedulerGauge.TAKEN] += 1  # requests taken in, for the router: a restart counts on
                 try:
+                    if req.params.lora in self.unloaded:  # an api worker that checked before the unload ended
+                        raise ValueError(f"no LoRA adapter named '{req.params.lora}' is loaded")
                     request = self.core.add(rid, req.prompt_ids, req.params, req.generated, pin=req.pin)
                 except ValueError as exc:
                     await self._refuse(rid, Refusal(str(exc)))
@@ -361,6 +365,16 @@ class SchedulerActor(Actor):
                 pages = self.core.unpin_prefixes() if unpin else self.core.flush_cache()
                 self._publish_gauges()  # before the answer, as in _emit
                 await self.send("detokenizer", FlushCache(pages), rid)
+            case LoraAdapter() as op if peer == "tokenizer":
+                await self._lora_adapter(rid, op)
+            case LoraAdapter() as answer:  # from rank 0 of the (first) engine
+                if answer.error is None and answer.path is None:
+                    self.unloaded.add(answer.name)
+                elif answer.error is None:
+                    self.unloaded.discard(answer.name)
+                if answer.error is None and (answer.path is None or answer.replaced):
+                    self.core.flush_cache()  # prefixes computed through the old weights, which a request must not read
+                await self.send("detokenizer", answer, rid)
             case Compile(error=error):
                 await self._compiled(rid, error)
             case Abort():
@@ -410,6 +424,14 @@ class SchedulerActor(Actor):
         if core is self.core and core.adopted:
             core.release_adopted()
             self._publish_gauges()
+
+    async def _lora_adapter(self, rid: int, op: LoraAdapter) -> None:
+        """Every engine loads or unloads the adapter; an unload waits for no request: one that any request runs with
+        or waits for is refused."""
+        if op.path is None and (users := sum(r.params.lora == op.name for r in (*self.core.running, *self.core.waiting))):
+            await self.send("detokenizer", replace(op, error=f"the adapter '{op.name}' is in use by {users} requests"), rid)
+            return
+        await self.send_all(self.engines, op, rid)
 
     async def _refuse(self, rid: int, refusal: Refusal) -> None:
         """Through the detokenizer to the request's api worker; kept a while, for a resync."""

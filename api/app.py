@@ -70,6 +70,10 @@ class Gateway(Protocol):
         """Prefill each prompt into the prefix cache and pin it there; each one's prompt and pinned tokens."""
         ...
 
+    async def lora_adapter(self, name: str, path: str | None) -> dict[str, str]:
+        """Load the LoRA adapter at `path` as `name` on every engine (None: unload it); the adapters served after."""
+        ...
+
     def health(self) -> str:
         """/health's status: "ok" (200), else why not (503)."""
         ...
@@ -560,12 +564,30 @@ class Handlers:
         body = await self._body(request)
         return _json({"prefixes": await self.gateway.warm(parse_prefixes(body, self.gateway.limits()))})
 
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """SGLang's and vLLM's route: {"lora_name", "lora_path"} loads (or reloads) an adapter on every engine."""
+        body = await self._body(request)
+        name, path = _adapter_field(body, "lora_name"), _adapter_field(body, "lora_path")
+        return _json({"success": True, "loaded_adapters": await self.gateway.lora_adapter(name, path)})
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """{"lora_name"}: the adapter is served no more (refused while requests run with it)."""
+        name = _adapter_field(await self._body(request), "lora_name")
+        return _json({"success": True, "loaded_adapters": await self.gateway.lora_adapter(name, None)})
+
     async def unpin_prefixes(self, request: web.Request) -> web.Response:
         return _json({"unpinned_pages": await self.gateway.flush_cache(unpin=True)})
 
     async def metrics(self, request: web.Request) -> web.Response:
         body, content_type = exposition()
         return web.Response(body=body, headers={"Content-Type": content_type})
+
+
+def _adapter_field(body: object, name: str) -> str:
+    value = body.get(name) if isinstance(body, dict) else None
+    if not isinstance(value, str) or not value.strip():
+        raise ApiError(f"'{name}' must be a non-empty string", param=name)
+    return value
 
 
 OPEN_ROUTES = frozenset({"/health", "/health/live", "/metrics", "/version"})  # probes and scrapers carry no key
@@ -648,6 +670,10 @@ def build_app(gateway: Gateway) -> web.Application:
             web.get("/get_load", h.load),
             web.get("/metrics", h.metrics),
             web.post("/flush_cache", h.flush_cache),
+            web.post("/load_lora_adapter", h.load_lora_adapter),  # SGLang's spellings, then vLLM's
+            web.post("/unload_lora_adapter", h.unload_lora_adapter),
+            web.post("/v1/load_lora_adapter", h.load_lora_adapter),
+            web.post("/v1/unload_lora_adapter", h.unload_lora_adapter),
             web.post("/warm_prefixes", h.warm_prefixes),
             web.delete("/warm_prefixes", h.unpin_prefixes),
         ]

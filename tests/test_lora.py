@@ -212,3 +212,49 @@ def test_a_server_serves_its_adapters_by_model_name(tiny_smol, tmp_path):
         assert server.get("/health")["status"] == "ok"
     finally:
         server.stop()
+
+
+def test_adapters_load_and_unload_on_a_running_server_and_outlive_an_engine(tiny_smol, tmp_path):
+    """POST /load_lora_adapter (and vLLM's /v1/ spelling) loads on every engine, and a name loaded again serves its
+    new weights; a SIGKILLed engine's replacement serves what was loaded at run time; /unload_lora_adapter ends it;
+    bad asks are 4xx with why, and the server stays up."""
+    import os
+    import signal
+
+    import orjson
+
+    from tests.conftest import launch, ringllm, wait_for
+
+    adapters = {name: make_adapter(tiny_smol, tmp_path / name, *spec, seed) for seed, (name, spec) in enumerate(ADAPTERS.items())}
+    prompt = list(range(200, 230))
+    expected = {name: peft_greedy(merged(tiny_smol, path, tmp_path / f"{name}-merged"), prompt, 12) for name, path in adapters.items()}
+    server = launch(tiny_smol, tmp_path / "serve.log", "--enable-lora", "--max-lora-rank", "8")
+
+    def tokens(model: str) -> list[int] | dict:
+        body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        answer = server.call("POST", "/v1/completions", body)
+        return answer["choices"][0]["token_ids"] if "choices" in answer else answer
+
+    try:
+        assert [card["id"] for card in server.get("/v1/models")["data"]] == ["model"]
+        loaded = server.call("POST", "/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["all"])})
+        assert loaded == {"success": True, "loaded_adapters": {"x": str(adapters["all"])}}
+        assert [card["id"] for card in server.get("/v1/models")["data"]] == ["model", "x"]
+        assert tokens("x") == expected["all"]
+        server.call("POST", "/v1/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapters["some"])})
+        assert tokens("x") == expected["some"]  # not the prefix cached under the old weights
+        rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        os.kill(next(row["pid"] for row in rows if row["name"] == "engine"), signal.SIGKILL)
+        wait_for(lambda: server.get("/health")["status"] == "ok", 120, "the engine's replacement")
+        assert tokens("x") == expected["some"]
+        assert server.call("POST", "/unload_lora_adapter", {"lora_name": "x"}) == {"success": True, "loaded_adapters": {}}
+        assert tokens("x")["error"]["code"] == "model_not_found"
+        refused = server.call("POST", "/v1/unload_lora_adapter", {"lora_name": "x"})
+        assert refused["error"]["code"] == "model_not_found"
+        bad = server.call("POST", "/load_lora_adapter", {"lora_name": "y", "lora_path": str(tmp_path)})
+        assert "not a PEFT LoRA adapter folder" in bad["error"]["message"]
+        assert "'lora_path' must be a non-empty string" in server.call("POST", "/load_lora_adapter", {"lora_name": "y"})["error"]["message"]
+        assert [card["id"] for card in server.get("/v1/models")["data"]] == ["model"]
+        assert server.get("/health")["status"] == "ok"
+    finally:
+        server.stop()
