@@ -45,7 +45,10 @@ def start_server(args: list[str], **popen) -> subprocess.Popen:
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:
-    """SIGINT (a clean stop that removes its segments), then SIGKILL if it does not go in time."""
+    """SIGINT (a clean stop that removes its segments), then SIGKILL if it does not go in time; nothing where it
+    has exited already (a server that failed to start)."""
+    if server.poll() is not None:
+        return
     os.killpg(server.pid, signal.SIGINT)
     try:
         server.wait(timeout=timeout)

@@ -99,3 +99,21 @@ def test_floors_count_the_weights_each_step_reads():
     seconds, rate = offline_floor(shape, cfg, rates)
     one_step = shape.step_s([1100] * 256, rates)  # every expert and 256 x 1,100 tokens of KV
     assert one_step > 58e9 / 4.4e12 and 256 / one_step > rate > 0
+
+
+def test_bench_lora_serves_the_base_and_the_adapters_and_records_both(tiny_smol, tmp_path):
+    """benchmarks.lora on CPU, small: three layouts, each record with its server's config (the adapters there
+    under LoRA), every request answered, the ratios to the base said."""
+    from benchmarks import lora
+
+    out = tmp_path / "lora.json"
+    flags = ["--requests", "4", "--concurrency", "2", "--prompt-tokens", "16", "--output-tokens", "4", "--single-tokens", "4"]
+    record = lora.main(["--model", str(tiny_smol), "--adapters", "2", "--rank", "4", *flags, "--out", str(out), "--", "--no-warm-spares"])
+    assert orjson.loads(out.read_bytes()) == orjson.loads(orjson.dumps(record))
+    base, plain, spread = record["layouts"]
+    assert [layout["layout"] for layout in record["layouts"]] == ["base", "lora, base requests", "lora, spread"]
+    assert base["config"]["engine"]["enable_lora"] is False
+    for layout in (plain, spread):
+        assert [entry.split("=")[0] for entry in layout["config"]["engine"]["lora_paths"]] == ["adapter0", "adapter1"]
+        assert layout["ratio"]["tokens_per_s"] > 0
+    assert all(layout["tokens_per_s"] > 0 and layout["one_request_tokens_per_s"] > 0 for layout in record["layouts"])
