@@ -50,7 +50,7 @@ import torch
 from actors.base import Actor
 from actors.frames import Adopt, Compile, LoraAdapter, Ping, Step, StepResults, decode
 from actors.gauges import EngineGauge
-from actors.keeper import keeper_address, map_kept_pool, wait_for_keeper
+from actors.keeper import keeper_address, kept_pages, map_kept_pool, wait_for_keeper
 from actors.lora_registry import read_registry
 from actors.pipeline import engine_names, engine_units, node_ranks, pool_outlives_engine, unit_role
 from actors.relay import FrameRelay
@@ -83,7 +83,11 @@ class EngineActor(Actor):
         serve = self.options["serve"]
         config, self.rank, replica = serve.engine, self.options["rank"], self.options["replica"]
         self.scheduler = self.options["scheduler"]
-        if pages := int(self.slot["gauges"][EngineGauge.POOL]):  # a restart keeps the pool the scheduler knows
+        address = keeper_address(self.ctx.server, replica) if pool_outlives_engine(serve) else None
+        if address is not None:  # the keeper holds the pool; on CUDA its context is made before this sizes one
+            wait_for_keeper(address)
+        # a restart keeps the pool the scheduler knows, or the one an engine that died in its start-up left with the keeper
+        if pages := int(self.slot["gauges"][EngineGauge.POOL]) or (address is not None and kept_pages(address)):
             config = dataclasses.replace(config, num_pages=pages)
         started = time.monotonic()
         local_rank = self.rank - node_ranks(serve).start
@@ -101,8 +105,7 @@ class EngineActor(Actor):
         self.kv_segment: Segment | None = None  # on CPU, the kept pool's mapping, held as long as the engine uses it
         self.host_segment: Segment | None = None  # the kept host KV tier's mapping, likewise
         kv_memory = host_memory = None
-        if pool_outlives_engine(serve):  # the keeper holds the pool; on CUDA its context is made before this sizes one
-            wait_for_keeper(address := keeper_address(self.ctx.server, replica))
+        if address is not None:
             kv_memory = functools.partial(self._kept_kv, address)
             host_memory = functools.partial(self._kept_host, address) if config.hierarchical_cache else None
         self.engine = Engine(Path(serve.model_dir), config, tp, device, kv_memory, host_memory)
@@ -184,8 +187,8 @@ class EngineActor(Actor):
                 except AdapterError as exc:  # its folder went away meanwhile: requests for it fail, the engine serves on
                     log.warning("lora_adapter_not_reloaded", name=name, error=str(exc))
 
-    def _kept_kv(self, address: str, size: int) -> torch.Tensor:
-        self.kv_segment, memory = map_kept_pool(address, size)
+    def _kept_kv(self, address: str, size: int, pages: int) -> torch.Tensor:
+        self.kv_segment, memory = map_kept_pool(address, size, pages=pages)
         return memory
 
     def _kept_host(self, address: str, size: int) -> torch.Tensor:

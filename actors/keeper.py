@@ -52,6 +52,7 @@ class PoolKeeper:
             torch.cuda.init()
             torch.empty(1, device=device)
         self.pool: torch.Tensor | None = None  # CUDA
+        self.pages = 0  # the pool's pages, as the engine that asked for it first said them
         self.segments: dict[str, Segment] = {}  # by name: the pool's on CPU, the host tier's
         for name in (segment_name, host_segment_name):
             if name is not None:
@@ -65,14 +66,21 @@ class PoolKeeper:
             os.umask(umask)
 
     def answer_forever(self) -> None:
-        """One question per connection: ("pool" or "host", size in bytes); the answer says where it is."""
+        """One question per connection: ("pool" or "host", size in bytes, the pool's pages), answered with where it
+        is; or ("pages", 0, 0), answered with the pages of the pool held (0: none yet)."""
         while True:
             with self.listener.accept() as conn:
                 try:
-                    what, size = conn.recv()
+                    what, size, pages = conn.recv()
                 except EOFError:  # an engine that only waited for this keeper to listen
                     continue
-                conn.send(self._pool(size) if what == "pool" else self._host(size))
+                if what == "pages":
+                    conn.send(self.pages)
+                    continue
+                answer = self._pool(size) if what == "pool" else self._host(size)
+                if what == "pool" and answer[0] != "error" and not self.pages:
+                    self.pages = pages
+                conn.send(answer)
 
     def _pool(self, size: int) -> tuple[Any, ...]:
         """("shm", segment name) on CPU, ("cuda", rebuild, args) on CUDA, ("error", why) for another size than
@@ -123,6 +131,15 @@ class KeeperActor(Actor):
         await asyncio.Event().wait()
 
 
+def kept_pages(address: str) -> int:
+    """The pages of the pool the keeper holds (0: none yet). An engine that died in its start-up, after the pool
+    was made and before it told the scheduler the pool's pages, leaves them here: its replacement sizes its pool from
+    them, since on CUDA the memory free to size one from is now the kept pool's."""
+    with Client(address, "AF_UNIX") as conn:
+        conn.send(("pages", 0, 0))
+        return conn.recv()
+
+
 def wait_for_keeper(address: str) -> None:
     """Until the keeper listens (it may be starting beside this engine)."""
     deadline = time.monotonic() + CONNECT_WAIT_S
@@ -136,11 +153,11 @@ def wait_for_keeper(address: str) -> None:
             time.sleep(0.02)
 
 
-def map_kept_pool(address: str, size: int, what: str = "pool") -> tuple[Segment | None, torch.Tensor]:
+def map_kept_pool(address: str, size: int, what: str = "pool", pages: int = 0) -> tuple[Segment | None, torch.Tensor]:
     """The keeper's pool (or `what` "host": its host tier) of `size` bytes as a uint8 tensor, and where it is a
-    shared segment, the segment that must stay mapped under it."""
+    shared segment, the segment that must stay mapped under it. `pages`: the pool's, which the keeper remembers."""
     with Client(address, "AF_UNIX") as conn:
-        conn.send((what, size))
+        conn.send((what, size, pages))
         where, *answer = conn.recv()
     if where == "error":
         raise ValueError(answer[0])

@@ -377,7 +377,10 @@ class KeptPool:
     the same bytes."""
 
     def __init__(
-        self, llm: LLM, kv_memory: Callable[[int], torch.Tensor] | None = None, host_memory: Callable[[int], torch.Tensor] | None = None
+        self,
+        llm: LLM,
+        kv_memory: Callable[[int, int], torch.Tensor] | None = None,
+        host_memory: Callable[[int], torch.Tensor] | None = None,
     ) -> None:
         """`host_memory`: where the host KV tier lives across engines (--enable-hierarchical-cache)."""
         from runtime.scheduler.scheduler import Scheduler
@@ -390,7 +393,7 @@ class KeptPool:
             llm.config, self.engine.num_pages, cfg.eos_token_ids, cfg.max_position, host_pages, disk, window=cfg.window
         )
 
-    def _bytes(self, size: int) -> torch.Tensor:
+    def _bytes(self, size: int, pages: int = 0) -> torch.Tensor:
         import torch
 
         if self.memory is None:

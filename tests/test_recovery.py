@@ -439,7 +439,7 @@ def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_o
 
     import torch
 
-    from actors.keeper import map_kept_pool
+    from actors.keeper import kept_pages, map_kept_pool
     from runtime import LLM, SamplingParams
     from tests.conftest import KeptPool
     from tests.tiny_models import build
@@ -458,15 +458,17 @@ def test_an_engine_over_a_keepers_pool_in_another_process_goes_on_where_a_dead_o
     keeper.start()
     mappings = []
 
-    def kept(size: int) -> torch.Tensor:
-        mapping, memory = map_kept_pool(address, size)
+    def kept(size: int, pages: int) -> torch.Tensor:
+        mapping, memory = map_kept_pool(address, size, pages=pages)
         mappings.append(mapping)
         return memory
 
     pool = None
     try:
         assert ready.wait(120)
+        assert kept_pages(address) == 0  # no pool yet
         pool = KeptPool(llm, kept)
+        assert kept_pages(address) == pool.engine.num_pages  # what a replacement that finds no POOL gauge sizes from
         requests = [pool.scheduler.add(rid, prompt, greedy) for rid, prompt in enumerate(prompts)]
         for _ in range(8):
             pool.step()

@@ -246,13 +246,13 @@ class Engine:
         config: EngineConfig,
         tp: TensorParallel = SINGLE,
         device: torch.device | None = None,
-        kv_memory: Callable[[int], torch.Tensor] | None = None,
+        kv_memory: Callable[[int, int], torch.Tensor] | None = None,
         host_memory: Callable[[int], torch.Tensor] | None = None,
         model_config: ModelConfig | None = None,
     ) -> None:
         """`tp`: this engine's rank in a tensor-parallel group it has joined, on `device` (config.device
         when None). Every rank runs every step; each holds its shard of the weights and its heads' KV.
-        `kv_memory`: where the KV pool lives, bytes -> a uint8 tensor (KVPool's `memory`); None: its own.
+        `kv_memory`: where the KV pool lives, (bytes, pages) -> a uint8 tensor (KVPool's `memory`); None: its own.
         `host_memory`: likewise, where the host KV tier lives (--enable-hierarchical-cache). `model_config`: the
         model's, where not the folder's config.json as it stands (a draft head's)."""
         self.config, self.tp = config, tp
@@ -330,7 +330,7 @@ class Engine:
         self.block_rows = make_batch_invariant(self.model, self.device) if config.deterministic else None
 
     def _make_pool(
-        self, model_dir: Path, kv_memory: Callable[[int], torch.Tensor] | None, host_memory: Callable[[int], torch.Tensor] | None
+        self, model_dir: Path, kv_memory: Callable[[int, int], torch.Tensor] | None, host_memory: Callable[[int], torch.Tensor] | None
     ) -> None:
         """The KV pool (in `kv_memory` where given) and its host tier (in `host_memory`), the attention backend
         over the pool, and the per-slot state that indexes it: page table, lengths, last tokens, grammars."""
@@ -360,7 +360,7 @@ class Engine:
             self.device,
             self.dtype,
             scales,
-            kv_memory(sum(layer_pages) * layer_bytes) if kv_memory else None,
+            kv_memory(sum(layer_pages) * layer_bytes, self.num_pages) if kv_memory else None,
             layer_pages,
         )
         self.tiers: HostTier | None = None
