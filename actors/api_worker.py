@@ -34,7 +34,7 @@ from actors.control import ActorState
 from actors.frames import Abort, Delta, Deltas, Detok, FlushCache, LoraAdapter, Ping, Submit, decode
 from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import first_counter, make_rid
-from actors.lora_registry import read_registry, write_registry
+from actors.lora_registry import read_registry, update_registry
 from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.connections import ConnectionGuard, ConnectionLimits, GuardedSite, connection_cap, runner_options
@@ -302,13 +302,7 @@ class ApiWorker(Actor):
             self._adapter_ops.pop(rid, None)
         if errors := [answer.error for answer in answers if answer.error is not None]:
             raise ApiError(errors[0], param="lora_path" if path is not None else "lora_name")
-        served = self.adapters()
-        if path is None:
-            served.pop(name, None)
-        else:
-            served[name] = path
-        write_registry(self.ctx.server, served)
-        return served
+        return update_registry(self.ctx.server, self.started_adapters, name, path)
 
     def adapters(self) -> dict[str, str]:
         """name -> path of each LoRA adapter served now."""

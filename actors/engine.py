@@ -163,7 +163,8 @@ class EngineActor(Actor):
         replaced = op.name in adapters.loaded
         try:
             if op.path is None:
-                adapters.unload(op.name)
+                if replaced:  # an unload asked again (one replica refused it before) is done already
+                    adapters.unload(op.name)
             else:
                 adapters.load(op.name, op.path)
         except AdapterError as exc:

@@ -5,6 +5,7 @@ server's segments. No file: the adapters of --lora-paths."""
 
 from __future__ import annotations
 
+import fcntl
 import os
 from pathlib import Path
 
@@ -25,9 +26,18 @@ def read_registry(server: str, started_with: tuple[tuple[str, str], ...]) -> dic
         return dict(started_with)
 
 
-def write_registry(server: str, adapters: dict[str, str]) -> None:
-    """All at once: a reader sees the old file or the new one, never half of one."""
-    path = registry_path(server)
-    partial = path.with_name(f"{path.name}.{os.getpid()}")
-    partial.write_bytes(orjson.dumps(adapters))
-    os.replace(partial, path)
+def update_registry(server: str, started_with: tuple[tuple[str, str], ...], name: str, path: str | None) -> dict[str, str]:
+    """Record a load of `name` from `path` (None: its unload), and return what is served after it. Under a lock, so
+    that two api workers' changes at once both stay; written whole, so that a reader sees the old file or the new."""
+    registry = registry_path(server)
+    with open(registry.with_suffix(".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        served = read_registry(server, started_with)
+        if path is None:
+            served.pop(name, None)
+        else:
+            served[name] = path
+        partial = registry.with_name(f"{registry.name}.{os.getpid()}")
+        partial.write_bytes(orjson.dumps(served))
+        os.replace(partial, registry)
+    return served

@@ -368,10 +368,8 @@ class SchedulerActor(Actor):
             case LoraAdapter() as op if peer == "tokenizer":
                 await self._lora_adapter(rid, op)
             case LoraAdapter() as answer:  # from rank 0 of the (first) engine
-                if answer.error is None and answer.path is None:
-                    self.unloaded.add(answer.name)
-                elif answer.error is None:
-                    self.unloaded.discard(answer.name)
+                if answer.path is not None and answer.error is None or answer.path is None and answer.error is not None:
+                    self.unloaded.discard(answer.name)  # loaded, or not unloaded after all
                 if answer.error is None and (answer.path is None or answer.replaced):
                     self.core.flush_cache()  # prefixes computed through the old weights, which a request must not read
                 await self.send("detokenizer", answer, rid)
@@ -431,6 +429,8 @@ class SchedulerActor(Actor):
         if op.path is None and (users := sum(r.params.lora == op.name for r in (*self.core.running, *self.core.waiting))):
             await self.send("detokenizer", replace(op, error=f"the adapter '{op.name}' is in use by {users} requests"), rid)
             return
+        if op.path is None:  # from now on: a request for it that reaches this scheduler after the unload is refused here
+            self.unloaded.add(op.name)
         await self.send_all(self.engines, op, rid)
 
     async def _refuse(self, rid: int, refusal: Refusal) -> None:

@@ -719,8 +719,8 @@ class EngineConfig(CliConfig):
             raise ValueError(f"--lora-paths names an adapter twice: {names}")
         if self.max_loaded_loras is not None and len(names) > self.max_loaded_loras:
             raise ValueError(f"--lora-paths gives {len(names)} adapters; --max-loaded-loras holds {self.max_loaded_loras}")
-        if self.enable_lora and (self.pd or self.speculative_algorithm or self.deterministic):
-            raise ValueError("LoRA adapters are served without --pd, speculative decoding and deterministic inference")
+        if self.enable_lora and (self.pd or self.speculative_algorithm or self.deterministic or self.quantization):
+            raise ValueError("LoRA adapters are served without --pd, speculative decoding, deterministic inference and --quantization")
 
     @property
     def lora_adapters(self) -> tuple[tuple[str, str], ...]:

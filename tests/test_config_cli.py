@@ -61,7 +61,7 @@ NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": 
 # prefill-decode disaggregation: one replica over kept pools, one rank a side, without speculation
 PD = {"pd": True, "tensor_parallel_size": 1, "speculative_algorithm": None, "speculative_num_steps": None}
 # LoRA adapters, without speculation
-LORA = {"speculative_algorithm": None, "speculative_num_steps": None, "lora_paths": ("a=/adapters/a", "/adapters/b")}
+LORA = {"speculative_algorithm": None, "speculative_num_steps": None, "quantization": None, "lora_paths": ("a=/a", "/b")}
 LORA |= {"max_loras_per_batch": 3, "max_loaded_loras": 4, "max_lora_rank": 32, "lora_target_modules": ("q_proj", "v_proj")}
 SERVE = {
     "served_model_name": "served",

@@ -10,9 +10,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from runtime import LLM, SamplingParams
 from runtime.models.lora import AdapterError
+from runtime.scheduler.disaggregated import Disaggregated
 from tests.test_parity import CHUNK_BUDGET, LOGPROB_TOLERANCE, NEW_TOKENS, divergence, greedy_matches, prompts_for, reference
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -163,9 +165,40 @@ def test_adapters_the_engine_cannot_serve_are_refused_with_why(lora_models, tmp_
         llm.load_lora_adapter("dora", dora)
     with pytest.raises(AdapterError, match="not a PEFT LoRA adapter folder"):
         llm.load_lora_adapter("none", tmp_path)
+    foreign = tmp_path / "foreign"  # trained on a base of other widths
+    foreign.mkdir()
+    (foreign / "adapter_config.json").write_text((adapters["some"] / "adapter_config.json").read_text())
+    weights = load_file(adapters["some"] / "adapter_model.safetensors")
+    save_file({key: torch.cat([tensor, tensor], dim=1) if ".lora_A." in key else tensor for key, tensor in weights.items()},
+              foreign / "adapter_model.safetensors")  # fmt: skip
+    with pytest.raises(AdapterError, match="an adapter of another base model"):
+        llm.load_lora_adapter("foreign", foreign)
+    (foreign / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(AdapterError, match="could not be read"):
+        llm.load_lora_adapter("foreign", foreign)
     llm.load_lora_adapter("some", adapters["some"])
     with pytest.raises(AdapterError, match="--max-loaded-loras"):
         llm.load_lora_adapter("other", adapters["some"])
+
+
+def test_a_request_whose_adapter_is_unloaded_while_it_runs_fails_and_the_engine_goes_on(lora_models):
+    """An unload that reaches the engine while a request still runs with the adapter (the server refuses it when
+    it knows; across replicas it may not): that request ends with why, the others go on."""
+    base, adapters, references = lora_models
+    llm = LLM(base, dtype="float32", page_size=1, lora_paths=(f"all={adapters['all']}",))
+    prompt = list(prompts_for(base)[1])
+    scheduler, engine = llm.scheduler, llm.engine
+    assert not isinstance(scheduler, Disaggregated)
+    lost = scheduler.add(0, prompt, SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, lora="all"))
+    kept = scheduler.add(1, prompt, SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    plan = scheduler.schedule()
+    scheduler.update(plan.step, engine.launch(plan).result())
+    engine.adapters.unload("all")  # pyright: ignore[reportOptionalMemberAccess]  # lora_paths turn LoRA on
+    while scheduler.has_work():
+        if plan := scheduler.schedule():
+            scheduler.update(plan.step, engine.launch(plan).result())
+    assert lost.finish_reason == "abort" and lost.error is not None and "unloaded while the request ran" in lost.error
+    assert kept.output_ids == reference(references[None])[1][0]
 
 
 def peft_greedy(model_dir: Path, prompt: list[int], tokens: int) -> list[int]:

@@ -319,7 +319,10 @@ class Engine:
             raise ValueError("models with sliding windows run without --enable-hierarchical-cache and without draft models (NGRAM drafts)")
         if config.enable_lora and (cfg.moe is not None or cfg.mla is not None):
             raise ValueError("LoRA adapters are served over dense models without latent attention")
+        if config.enable_lora and cfg.fp8 is not None:
+            raise ValueError("LoRA adapters are served over unquantized checkpoints (not FP8)")
         self.adapters = Adapters(cfg, config, tp, self.device) if config.enable_lora else None
+        self.lora_errors: dict[int, str] = {}  # by slot: its adapter was unloaded while it ran (the next draw fails it)
         adapt = self.adapters.attach if self.adapters is not None else None
         self.model = build_model(
             cfg, model_dir, self.dtype, self.device, config.dummy_weights, tp=tp, quantization=config.quantization, adapt=adapt
@@ -539,6 +542,7 @@ class Engine:
         for slot in plan.freed:
             self.slots.pop(slot, None)
             self.grammars.close(slot)
+            self.lora_errors.pop(slot, None)
         for new in plan.new_slots:
             self.slots[new.slot] = SlotState(new.rid, new.params, new.seed, new.prompt_ids, list(new.output_ids), len(new.output_ids))
             self.lengths[new.slot] = new.cached
@@ -770,7 +774,11 @@ class Engine:
             batch.before_layer = waits.layer if waits is not None else None
             self.attention.prepare(step.meta)
             if self.adapters is not None:
-                self.adapters.set_rows([self.slots[slot].params.lora for slot in step.seq_slots], np.diff(step.qo_indptr))
+                names = [self.slots[slot].params.lora for slot in step.seq_slots]
+                if missing := self.adapters.set_rows(names, np.diff(step.qo_indptr)):
+                    for slot, name in zip(step.seq_slots.tolist(), names):
+                        if name in missing:  # its draw is void, and its request fails with why
+                            self.lora_errors[slot] = f"the LoRA adapter '{name}' was unloaded while the request ran"
             hidden = self.model(batch, self.attention)
         self._prompt_logprobs(plan, step, hidden)
         if self.drafter is not None:
@@ -819,6 +827,8 @@ class Engine:
             pending.drafts, pending.on_draft = step.drafts, self._kept
         if constrained:
             pending.errors = self.grammars.take_errors()
+        if self.lora_errors:
+            pending.errors |= {slot: self.lora_errors.pop(slot) for slot in set(step.sample_slots.tolist()) & self.lora_errors.keys()}
         return pending
 
     def _kept(self, draft: DraftRows, kept: int) -> None:
@@ -883,6 +893,7 @@ class Engine:
         of each slot's request (its rid, the tokens whose KV is written, their pages, its salt), for a new
         scheduler to adopt."""
         self._read_all()
+        self.lora_errors.clear()
         if self.drafter is not None:
             self.drafter.reset()
         if self.tiers is not None:  # the host tier's index is complete for the scheduler that adopts it

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 
 from runtime.config import DEFAULT_MAX_LORA_RANK, LORA_TARGETS, EngineConfig, ModelConfig
@@ -65,7 +65,16 @@ def _adapter_config(folder: Path) -> dict:
 
 
 def read_adapter(name: str, path: str, cfg: ModelConfig, tp: TensorParallel, max_rank: int, targets: tuple[str, ...]) -> Adapter:
-    """The adapter at `path` (a PEFT folder), this rank's shard; AdapterError for one this engine cannot serve."""
+    """The adapter at `path` (a PEFT folder), this rank's shard; AdapterError for one this engine cannot serve or read."""
+    try:
+        return _read_adapter(name, path, cfg, tp, max_rank, targets)
+    except AdapterError:
+        raise
+    except (OSError, ValueError, TypeError, KeyError, SafetensorError) as exc:  # a corrupt file, a config of wrong types
+        raise AdapterError(f"the adapter {name} at {path} could not be read: {exc}") from None
+
+
+def _read_adapter(name: str, path: str, cfg: ModelConfig, tp: TensorParallel, max_rank: int, targets: tuple[str, ...]) -> Adapter:
     folder = Path(path)
     config = _adapter_config(folder)
     rank, alpha = int(config.get("r", 0)), float(config.get("lora_alpha", config.get("r", 1)))
@@ -125,7 +134,7 @@ class LoraLinear(nn.Module):
     """A projection (a fused one's parts side by side) and the slotted adapters over it."""
 
     def __init__(self, base: nn.Linear, part_sizes: tuple[int, ...], slots: int, rank: int, rows: LoraRows) -> None:
-        """`base`: the projection as loaded, before the CPU's prepacking or FP8 replace it (they reach it as `base`)."""
+        """`base`: the projection as loaded, before the CPU's prepacking replaces it (which reaches it as `base`)."""
         super().__init__()
         self.base: nn.Module = base
         self.rows, self.rank, self.part_sizes = rows, rank, part_sizes
@@ -190,9 +199,16 @@ class Adapters:
         if name not in self.loaded and self.max_loaded is not None and len(self.loaded) >= self.max_loaded:
             raise AdapterError(f"{len(self.loaded)} adapters are loaded, the most this server holds (--max-loaded-loras); unload one first")
         adapter = read_adapter(name, path, self.cfg, self.tp, self.max_rank, self.targets)
-        for layer, projection in adapter.weights:
-            if (layer, TARGETS[projection][0]) not in self.modules:
+        for (layer, projection), (a, b) in adapter.weights.items():
+            fused, part = TARGETS[projection]
+            if (module := self.modules.get((layer, fused))) is None:
                 raise AdapterError(f"the adapter {name} targets layer {layer}'s {projection}, which takes no adapter in this model")
+            wanted = ((adapter.rank, module.a.shape[2]), (module.part_sizes[part], adapter.rank))
+            if (tuple(a.shape), tuple(b.shape)) != wanted:
+                raise AdapterError(
+                    f"the adapter {name}'s layer {layer} {projection} has A {tuple(a.shape)} and B {tuple(b.shape)} here; this "
+                    f"model's shard takes {wanted[0]} and {wanted[1]} (an adapter of another base model?)"
+                )
         self._evict(name)
         self.loaded[name] = adapter
         return adapter
@@ -206,21 +222,26 @@ class Adapters:
         if (slot := self.resident.pop(name, None)) is not None:
             self.free_slots.append(slot)
 
-    def set_rows(self, names: list[str | None], counts: np.ndarray) -> None:
-        """The next forward's rows: sequence i runs with adapter names[i] (None: the base alone) over counts[i] rows."""
+    def set_rows(self, names: list[str | None], counts: np.ndarray) -> set[str]:
+        """The next forward's rows: sequence i runs with adapter names[i] (None: the base alone) over counts[i] rows.
+        Returns the names no longer loaded (unloaded while a request ran with one): their rows run as the base's, and
+        the engine fails their requests."""
+        missing = {name for name in names if name is not None and name not in self.loaded}
+        names = [None if name in missing else name for name in names]
         wanted = {name for name in names if name is not None}
         if not wanted:
             self.rows.groups = []
-            return
+            return missing
         slot_of = {name: self._place(name, wanted) for name in wanted}
         seq_slots = np.array([0 if name is None else slot_of[name] for name in names], dtype=np.int64)
         if len(wanted) == 1 and (seq_slots != 0).all():
             self.rows.groups = [(int(seq_slots[0]), None)]
-            return
+            return missing
         row_slots = np.repeat(seq_slots, counts)
         self.rows.groups = [
             (slot, torch.from_numpy(np.flatnonzero(row_slots == slot)).to(self.device, non_blocking=True)) for slot in slot_of.values()
         ]
+        return missing
 
     def _place(self, name: str, wanted: set[str]) -> int:
         """The device slot holding `name`, moved in now where it is not, in place of the least recently used
