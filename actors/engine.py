@@ -234,6 +234,9 @@ class EngineActor(Actor):
                     continue
                 if isinstance(payload, LoraAdapter):
                     answer = self._lora_adapter(payload)
+                    if self.engine.tp.size > 1:  # every rank's outcome: one that could not load (its node lacks the path) too
+                        errors = [error for error in self.engine.tp.gather(answer.error) if error is not None]
+                        answer = dataclasses.replace(answer, error=errors[0] if errors else None)
                     if self.rank == 0:
                         await self.send(self.scheduler, answer, got[1].rid)
                     continue

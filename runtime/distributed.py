@@ -85,6 +85,14 @@ class TensorParallel:
         dist.broadcast_object_list(box, src=0, group=self.host_group)
         return box[0]
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order, on every rank."""
+        if self.size == 1:
+            return [obj]
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.host_group)
+        return out
+
     def split(self, total: int) -> tuple[int, int]:
         """This rank's (start, count) of `total` units split evenly; a count below one unit per rank
         (KV heads fewer than ranks) gives each rank one unit, shared by size // total ranks."""

@@ -291,3 +291,19 @@ def test_adapters_load_and_unload_on_a_running_server_and_outlive_an_engine(tiny
         assert server.get("/health")["status"] == "ok"
     finally:
         server.stop()
+
+
+def test_a_tensor_parallel_server_loads_an_adapter_on_every_rank(tiny_smol, tmp_path):
+    """--tp 2: the load reaches both ranks, which answer together through rank 0; each serves its shard."""
+    adapter = make_adapter(tiny_smol, tmp_path / "all", *ADAPTERS["all"], 0)
+    prompt = list(range(300, 320))
+    expected = peft_greedy(merged(tiny_smol, adapter, tmp_path / "merged"), prompt, 8)
+    from tests.conftest import launch
+
+    server = launch(tiny_smol, tmp_path / "serve.log", "--tp", "2", "--enable-lora", "--max-lora-rank", "8")
+    try:
+        assert server.call("POST", "/load_lora_adapter", {"lora_name": "x", "lora_path": str(adapter)})["success"] is True
+        body = {"model": "x", "prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+        assert server.call("POST", "/v1/completions", body)["choices"][0]["token_ids"] == expected
+    finally:
+        server.stop()
