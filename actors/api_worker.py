@@ -39,7 +39,7 @@ from actors.pipeline import scheduler_names
 from api.app import Overloaded, build_app
 from api.connections import ConnectionGuard, ConnectionLimits, GuardedSite, connection_cap, runner_options
 from api.errors import ApiError
-from api.protocol import Limits
+from api.protocol import Limits, model_not_found
 from runtime.config import ModelConfig
 from runtime.obs import expert_load
 from runtime.obs.metrics import metrics
@@ -287,7 +287,7 @@ class ApiWorker(Actor):
             raise ApiError("LoRA is off: start the server with --enable-lora (or --lora-paths) to load adapters", param="lora_name")
         served = self.adapters()
         if path is None and name not in served:
-            raise ApiError(f"no LoRA adapter named '{name}' is loaded", 404, "lora_name", "model_not_found", "NotFoundError")
+            raise model_not_found(f"no LoRA adapter named '{name}' is loaded", "lora_name")
         if name == self.served_model:
             raise ApiError(f"'{name}' names the base model", param="lora_name")
         rid = make_rid(self.worker, next(self._counter))

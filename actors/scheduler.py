@@ -368,10 +368,11 @@ class SchedulerActor(Actor):
             case LoraAdapter() as op if peer == "tokenizer":
                 await self._lora_adapter(rid, op)
             case LoraAdapter() as answer:  # from rank 0 of the (first) engine
-                if answer.path is not None and answer.error is None or answer.path is None and answer.error is not None:
-                    self.unloaded.discard(answer.name)  # loaded, or not unloaded after all
-                if answer.error is None and (answer.path is None or answer.replaced):
+                unload = answer.path is None
+                if answer.error is None and (unload or answer.replaced):
                     self.core.flush_cache()  # prefixes computed through the old weights, which a request must not read
+                if (answer.error is None) != unload:  # loaded, or not unloaded after all
+                    self.unloaded.discard(answer.name)
                 await self.send("detokenizer", answer, rid)
             case Compile(error=error):
                 await self._compiled(rid, error)

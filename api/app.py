@@ -22,7 +22,18 @@ from aiohttp.web_protocol import RequestPayloadError
 from api.chat_output import HARMONY, ChatOutput
 from api.errors import ApiError
 from api.harmony import HarmonyParser
-from api.protocol import Completion, Limits, choice, envelope, logprobs_block, parse, parse_prefixes, prompt_logprobs_block, usage
+from api.protocol import (
+    Completion,
+    Limits,
+    choice,
+    envelope,
+    logprobs_block,
+    model_not_found,
+    parse,
+    parse_prefixes,
+    prompt_logprobs_block,
+    usage,
+)
 from runtime.obs.metrics import exposition, metrics
 
 if TYPE_CHECKING:  # prometheus_client is imported by runtime.obs.metrics, once its storage is set
@@ -528,7 +539,7 @@ class Handlers:
         """GET /v1/models/{id}: the served model's card or an adapter's, else OpenAI's 404."""
         wanted = request.match_info["id"]
         if (card := next((card for card in self._model_cards() if card["id"] == wanted), None)) is None:
-            raise ApiError(f"the model '{wanted}' does not exist", 404, param="model", code="model_not_found", kind="NotFoundError")
+            raise model_not_found(f"the model '{wanted}' does not exist", "model")
         return _json(card)
 
     async def health(self, request: web.Request) -> web.Response:

@@ -277,7 +277,8 @@ def parse_prefixes(body: Any, limits: Limits) -> list[dict]:
     return out
 
 
-def _not_found(message: str, param: str) -> ApiError:
+def model_not_found(message: str, param: str) -> ApiError:
+    """OpenAI's 404 for a model (or LoRA adapter) this server does not serve."""
     return ApiError(message, 404, param=param, code="model_not_found", kind="NotFoundError")
 
 
@@ -291,9 +292,9 @@ def parse(body: Any, chat: bool, served_model: str, limits: Limits) -> Completio
         lora = lora or model
     elif model != served_model:
         served = ", ".join(f"'{name}'" for name in (served_model, *adapters))
-        raise _not_found(f"the model '{model}' does not exist; this server serves {served}", "model")
+        raise model_not_found(f"the model '{model}' does not exist; this server serves {served}", "model")
     if lora is not None and lora not in adapters:
-        raise _not_found(f"no LoRA adapter named '{lora}' is loaded; loaded: {adapters}", "lora_path")
+        raise model_not_found(f"no LoRA adapter named '{lora}' is loaded; loaded: {adapters}", "lora_path")
     for name, default in UNSUPPORTED.items():
         if body.get(name, default) not in (default, None):
             raise ApiError(f"'{name}' is not supported by this server", param=name)

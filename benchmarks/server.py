@@ -45,11 +45,12 @@ def start_server(args: list[str], **popen) -> subprocess.Popen:
 
 
 def stop_server(server: subprocess.Popen, timeout: float = 60) -> None:
-    """SIGINT (a clean stop that removes its segments), then SIGKILL if it does not go in time; nothing where it
-    has exited already (a server that failed to start)."""
-    if server.poll() is not None:
+    """SIGINT (a clean stop that removes its segments), then SIGKILL if it does not go in time; nothing where no
+    process of its group is left (a server that failed to start)."""
+    try:
+        os.killpg(server.pid, signal.SIGINT)
+    except ProcessLookupError:
         return
-    os.killpg(server.pid, signal.SIGINT)
     try:
         server.wait(timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -42,9 +42,9 @@ def build_model(
     adapt: Callable[[nn.Module], None] | None = None,
 ) -> DecoderForCausalLM:
     """The model on `device`, holding this rank's shard of every weight; with quantization "fp8", a
-        checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
-        shard's rows). `adapt`: called with the model once its weights are in, before any projection is replaced (LoRA's
-    wrappers, runtime.models.lora)."""
+    checkpoint that is not FP8 already has its projections rounded through per-row FP8 (each rank its
+    shard's rows). `adapt`: called with the model once its weights are in, before any projection is
+    replaced (LoRA's wrappers, runtime.models.lora)."""
     if cfg.architecture not in MODELS:
         raise ValueError(f"architecture {cfg.architecture} is not supported; supported: {sorted(MODELS)}")
     ops_name, ops = select_fused_ops(device, dtype, fused_ops)

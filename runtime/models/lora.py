@@ -249,9 +249,7 @@ class Adapters:
         if name in self.resident:
             self.resident.move_to_end(name)
             return self.resident[name]
-        adapter = self.loaded.get(name)
-        if adapter is None:
-            raise AdapterError(f"no adapter named {name} is loaded")
+        adapter = self.loaded[name]  # set_rows passes loaded names only
         if not self.free_slots:
             victim = next((held for held in self.resident if held not in wanted), None)
             if victim is None:
