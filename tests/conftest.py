@@ -40,6 +40,14 @@ def wait_for(predicate: Callable[[], object], timeout: float, what: str, interva
         time.sleep(interval)
 
 
+def log_events(log: bytes | Path, event: str | None = None, **match: object) -> list[dict]:
+    """The structured-log lines of a log (a file or its bytes) with this event and these fields. A line still being
+    written (no newline yet) is left for the next read."""
+    data = log.read_bytes() if isinstance(log, Path) else log
+    lines = (orjson.loads(line) for line in data[: data.rfind(b"\n") + 1].splitlines() if line.startswith(b"{"))
+    return [e for e in lines if (event is None or e.get("event") == event) and all(e.get(k) == v for k, v in match.items())]
+
+
 def _our_children() -> list[psutil.Process]:
     """Child processes, less multiprocessing's resource tracker (it lives as long as pytest)."""
     kids = psutil.Process().children(recursive=True)

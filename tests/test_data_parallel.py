@@ -13,7 +13,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import launch, ringllm, wait_for, with_tokenizer
+from tests.conftest import launch, log_events, ringllm, wait_for, with_tokenizer
 
 PREFIX = [(7 * i) % 500 + 3 for i in range(96)]  # six 16-token blocks
 STREAMS = [[5, 6, 7], [9, 10, 11, 12], [13, 14], [40, 41, 42, 43, 44]]
@@ -96,7 +96,7 @@ def test_a_dead_replica_loses_and_changes_no_stream(server):
     rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
     engine0 = next(r["pid"] for r in rows if r["name"] == "engine0")
     assert asyncio.run(_streams(server, engine0)) == reference
-    events = [orjson.loads(line) for line in server.log.read_bytes().splitlines() if b'"event":"' in line]
+    events = log_events(server.log)
     replays = [e["actor"] for e in events if e["event"] == "queued" and e["generated"]]
     resyncs = [e["actor"] for e in events if e["event"] == "engine_resync"]
     # on CPU a replica's KV pool outlives its engine: its own scheduler reopens its requests over it, nothing is replayed

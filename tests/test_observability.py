@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.serve import parse_args, run_benchmark
 from runtime.obs.metrics import TTFT_BUCKETS
-from tests.conftest import ROOT, ringllm, wait_for
+from tests.conftest import ROOT, log_events, ringllm, wait_for
 
 PIPELINE_ORDER = [
     ("api", "received"),
@@ -157,7 +157,7 @@ def test_metrics_agree_with_the_load_harness(smol_server):
     assert steps["ringllm:step_duration_seconds_count"] > 0 and steps["ringllm:step_duration_seconds_sum"] > 0
 
     def stats_line() -> dict | None:  # the periodic line after this traffic (every 10 s)
-        lines = [orjson.loads(line) for line in smol_server.log.read_bytes().splitlines() if b'"event":"stats"' in line]
+        lines = log_events(smol_server.log, "stats")
         return next((line for line in reversed(lines) if line["gen_tok_s"] > 0), None)
 
     stats = wait_for(stats_line, 15, "a stats line")
@@ -196,7 +196,7 @@ def test_console_log_format():
 def test_every_actor_freezes_its_start_up_heap(smol_server):
     """Each actor reports how many objects it moved out of the collector's reach once set up: with
     torch or transformers imported, far more than a bare interpreter's."""
-    ready = [orjson.loads(line) for line in smol_server.log.read_bytes().splitlines() if b'"event":"ready"' in line]
+    ready = log_events(smol_server.log, "ready")
     frozen = {line["actor"]: line["gc_frozen"] for line in ready}
     assert {"tokenizer", "scheduler", "engine", "detokenizer", "api0", "api1"} <= set(frozen), frozen
     assert min(frozen.values()) > 20_000, frozen

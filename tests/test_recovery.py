@@ -18,7 +18,7 @@ import psutil
 import pytest
 
 from benchmarks.chaos import Stream, _bodies, _load
-from tests.conftest import ROOT, launch, ringllm, wait_for, with_tokenizer
+from tests.conftest import ROOT, launch, log_events, ringllm, wait_for, with_tokenizer
 from transport.segment import list_segments, server_prefix
 
 pytestmark = pytest.mark.slow  # servers whose actors are killed, hung and restarted
@@ -92,8 +92,7 @@ async def faulted_load(server, bodies: list[dict], fault: Callable[[], Awaitable
 
 
 def events(server, event: str, **match) -> list[dict]:
-    lines = (orjson.loads(line) for line in server.log.read_bytes().splitlines() if line.startswith(b"{"))
-    return [e for e in lines if e.get("event") == event and all(e.get(k) == v for k, v in match.items())]
+    return log_events(server.log, event, **match)
 
 
 def test_engine_deaths_in_start_up_are_retried_and_a_dead_forkserver_drops_no_stream(served, tmp_path):
@@ -173,12 +172,12 @@ def test_a_text_actor_restart_keeps_the_epoch_and_changes_no_stream(two_workers,
         os.kill(pid, signal.SIGKILL)
 
     epoch = server.get("/server_info")["epoch"]
-    logged = len(server.log.read_bytes().splitlines())
+    logged = len(log_events(server.log))
     reference, streams = asyncio.run(faulted_load(server, bodies, freeze_then_kill, mid_stream=victim == "detokenizer"))
     assert all(s.error is None for s in streams)
     assert [(s.text, s.token_ids, s.finish) for s in streams] == [(s.text, s.token_ids, s.finish) for s in reference]
     assert server.get("/server_info")["epoch"] == epoch
-    events = [orjson.loads(line) for line in server.log.read_bytes().splitlines()[logged:] if line.startswith(b"{")]
+    events = log_events(server.log)[logged:]
     if victim == "tokenizer":
         assert sum(e["requests"] for e in events if e.get("event") == "replaying") == len(bodies)
         queued = [e["rid"] for e in events if e.get("event") == "queued"]
@@ -235,7 +234,7 @@ def test_a_dead_api_worker_ends_only_its_own_connections(two_workers):
     assert {row["epoch"] for row in rows} == {1} and next(r["restarts"] for r in rows if r["name"] == "api1") == 1
     log = server.log.read_bytes()
     assert log.count(b'"event":"replaying"') == replays
-    aborted = [orjson.loads(line) for line in log.splitlines() if b'"event":"orphans_aborted"' in line]
+    aborted = log_events(log, "orphans_aborted")
     assert len(aborted) == 1 and aborted[0]["requests"] > 0  # the dead worker's requests, still running at its death
 
 

@@ -14,7 +14,7 @@ import aiohttp
 import orjson
 import pytest
 
-from tests.conftest import launch, wait_for, with_tokenizer
+from tests.conftest import launch, log_events, wait_for, with_tokenizer
 from tests.test_parity import NEW_TOKENS, greedy_matches, prompts_for, reference
 from transport.segment import list_segments, server_prefix
 
@@ -238,7 +238,7 @@ def test_a_backend_killed_mid_stream_recomputes_nothing_and_the_stream_continues
         wait_for(lambda: server.get("/health")["status"] == "ok", 30, "the pipeline to be healthy again")
         rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
         assert next(r["restarts"] for r in rows if r["name"] == victim) == 1
-        events = [orjson.loads(line) for line in server.log.read_bytes().splitlines() if b'"event":"' in line]
+        events = log_events(server.log)
         if victim == "engine":
             assert {row["epoch"] for row in rows} == {1} and any(e["event"] == "engine_resync" for e in events)
         else:  # every actor followed the new epoch; the stream's KV (its prompt and ~20 tokens) was adopted

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from benchmarks.server import stop_with_parent
-from tests.conftest import ROOT, RunningSupervisor, ringllm, wait_for
+from tests.conftest import ROOT, RunningSupervisor, log_events, ringllm, wait_for
 from tests.probe_actors import report_path
 from transport.segment import list_segments, remove_segments, server_prefix
 
@@ -112,8 +112,7 @@ def test_a_warm_spare_is_promoted_in_place_of_a_dead_actor_and_replaced(start_su
 
 
 def hung_lines(sup: RunningSupervisor) -> list[dict]:
-    lines = (orjson.loads(line) for line in sup.log.read_bytes().splitlines() if line.startswith(b"{"))
-    return [line for line in lines if line.get("event") == "actor_hung"]
+    return log_events(sup.log, "actor_hung")
 
 
 # echo's watchdog (60 s) must not lengthen --hang-timeout: a frozen echo goes after 1.5 s either way
@@ -231,11 +230,6 @@ def test_a_stop_whose_log_reader_is_gone_still_kills_and_sweeps(server, tmp_path
         if proc.poll() is None:
             proc.kill()
         remove_segments(server_prefix(server))
-
-
-def log_events(log: bytes, event: str) -> list[dict]:
-    lines = (orjson.loads(line) for line in log.splitlines() if line.startswith(b"{"))
-    return [line for line in lines if line.get("event") == event]
 
 
 def test_an_actor_that_dies_during_start_up_is_started_again(start_supervisor, server):
