@@ -33,6 +33,7 @@ from typing import Any
 
 import structlog
 
+from runtime.obs.gc_pauses import freeze_startup_heap
 from transport.lifetime import on_parent_death
 
 log = structlog.get_logger()
@@ -199,6 +200,7 @@ def main(fd: int, supervisor: int, preload: list[str]) -> None:
             __import__(module)
         except Exception:  # the actor that needs it meets the error again, and reports it as its own
             traceback.print_exc()
+    freeze_startup_heap()  # each actor's own freeze then collects only what it made after the fork
     with socket.socket(fileno=fd) as sock:
         while True:
             header, fds, _, _ = socket.recv_fds(sock, _LENGTH, _MAX_FDS)

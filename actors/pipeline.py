@@ -376,7 +376,9 @@ def _engines(config: ServeConfig, replica: int) -> list[ActorSpec]:
             "actors.engine:EngineActor",
             {"serve": config, "replica": replica, "rank": rank, "scheduler": unit_scheduler(config, replica)},
             torch_threads=True,
-            preload=("torch",),
+            # on CPU its own modules too (a cold restart skips a second of imports); on a GPU torch alone, since a
+            # forked child cannot use CUDA that an import (flashinfer's, sgl-kernel's) set up in the forkserver
+            preload=("torch", "actors.engine") if config.engine.device == "cpu" else ("torch",),
             watchdog_s=config.watchdog_timeout,
             group=f"engines{replica if engine_units(config) > 1 else ''}" if ranks > 1 else None,
             # on CPU a second copy of the weights is cheap; on a GPU it takes device memory: only on request

@@ -20,6 +20,7 @@ recovery_ms runs from a kill to the next token of a stream that was in flight at
     python -m benchmarks.chaos --quick                 # SmolLM2, one kill per backend kind
     python -m benchmarks.chaos --kills 5 --signal stop # five freezes per kind
     python -m benchmarks.chaos --quick --kinds tokenizer engine engine:stop   # a death of each, and an engine hang
+    python -m benchmarks.chaos --quick --kinds engine --burst-gap 0.5 --startup-kill engine   # two engine deaths in a row
 """
 
 from __future__ import annotations
@@ -214,7 +215,14 @@ async def _load(http: aiohttp.ClientSession, bodies: list[dict], streams: list[S
 
 
 async def _chaos_round(
-    server: Server, http: aiohttp.ClientSession, bodies: list[dict], kind: str, kills: int, sig: signal.Signals, rng: random.Random
+    server: Server,
+    http: aiohttp.ClientSession,
+    bodies: list[dict],
+    kind: str,
+    kills: int,
+    sig: signal.Signals,
+    rng: random.Random,
+    burst_gap: float | None = None,
 ) -> tuple[list[Stream], list[tuple[float, float]], int, int]:
     """One load while `kills` signals hit `kind`; returns the streams, and for each kill when it
     happened and when the supervisor had noticed it (the actor's restart count moved on), how many of the kills
@@ -224,7 +232,9 @@ async def _chaos_round(
     the restart), at a random point of generation: once the furthest unfinished stream has 5-40% of
     its tokens. A random delay in seconds instead let a fast machine finish the whole load first.
     A kill lands only while streams still have half their tokens to come, so that every kill
-    interrupts generation; otherwise the round ends early."""
+    interrupts generation; otherwise the round ends early. `burst_gap`: each kill is a double one, the
+    replacement killed that many seconds after the first death (its own successor is not set up yet); the kill's
+    times then run from the first death to the supervisor's notice of the second."""
     streams = [Stream() for _ in bodies]
     await _spares_set_up(server, kind)
     load = asyncio.create_task(_load(http, bodies, streams))
@@ -248,6 +258,12 @@ async def _chaos_round(
         killed_at = time.monotonic()
         while server.restarts(kind) == restarts:
             await asyncio.sleep(0.005)
+        if burst_gap is not None:  # the replacement dies too, `burst_gap` s after the first death
+            await asyncio.sleep(max(0.0, killed_at + burst_gap - time.monotonic()))
+            victim = next(p for p in server.actors()[kind] if p not in before)
+            os.kill(victim, sig)
+            while server.restarts(kind) == restarts + 1:
+                await asyncio.sleep(0.005)
         kill_times.append((killed_at, time.monotonic()))
         replays += server.epoch() != epoch  # the supervisor moves the epoch on before it counts the restart
         while pid in (now := server.actors()[kind]) and time.monotonic() < killed_at + 5:
@@ -271,6 +287,20 @@ def _longest_pause_ms(streams: list[Stream], killed_at: float, noticed_at: float
             window.append(next(t for t in s.arrivals if t >= recovered_at) if window[-1] < recovered_at else window[-1])
             pauses.append(max((b - a for a, b in zip(window, window[1:])), default=0.0))
     return max(pauses) * 1e3 if pauses else None
+
+
+async def _kill_in_start_up(server: Server, kind: str) -> dict:
+    """SIGKILL the first actor of `kind` once, as soon as it runs during the server's start-up (the control
+    block lists its pid); returns when it was killed and how long the server then took to be healthy."""
+    started = time.monotonic()
+    while True:
+        if server.proc.poll() is not None:
+            raise ServerExited(f"the server exited with code {server.proc.returncode} during start-up")
+        with contextlib.suppress(FileNotFoundError):
+            if pids := [p for p in server.actors().get(kind, []) if p > 0]:
+                os.kill(pids[0], signal.SIGKILL)
+                return {"kind": kind, "killed_at_s": round(time.monotonic() - started, 2)}
+        await asyncio.sleep(0.01)
 
 
 async def _spares_set_up(server: Server, kind: str) -> None:
@@ -318,6 +348,8 @@ async def run(args: argparse.Namespace) -> dict:
         timeout = aiohttp.ClientTimeout(total=600)
         async with aiohttp.ClientSession(server.base_url, timeout=timeout, connector=connector()) as http:
             try:
+                if args.startup_kill:
+                    summary["startup_kill"] = await _kill_in_start_up(server, args.startup_kill)
                 await wait_healthy(http, 300, server.proc)
             except ServerExited as exc:
                 raise SystemExit(f"{exc}; its log ({server.log}) ends:\n{server.last_errors()}") from None
@@ -338,7 +370,9 @@ async def run(args: argparse.Namespace) -> dict:
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
-                    streams, kill_times, promoted, replays = await _chaos_round(server, http, bodies, kind, args.kills - done, sig, rng)
+                    streams, kill_times, promoted, replays = await _chaos_round(
+                        server, http, bodies, kind, args.kills - done, sig, rng, args.burst_gap
+                    )
                     done += len(kill_times)
                     summary["promoted"][entry] = summary["promoted"].get(entry, 0) + promoted
                     summary["replays"][entry] = summary["replays"].get(entry, 0) + replays
@@ -405,6 +439,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--api-workers", type=int, default=API_WORKERS)
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--burst-gap", type=float, help="make each kill a double one: the replacement is killed this many seconds after the first death"
+    )
+    parser.add_argument("--startup-kill", choices=KINDS, help="also SIGKILL this kind's actor once while the server starts up")
     parser.add_argument("--control", action="store_true", help="one more fault-free load first: control_mismatched, its changed streams")
     parser.add_argument("--guided", action="store_true", help="hold every third stream to a JSON schema (structured output)")
     parser.add_argument("--out", type=Path, help="also append the summary, with the command, to this JSON file")
