@@ -9,6 +9,7 @@ Heartbeats are CLOCK_MONOTONIC seconds, one clock for every process on the machi
 from __future__ import annotations
 
 import os
+import signal
 import time
 from enum import IntEnum
 
@@ -32,9 +33,18 @@ SLOT = np.dtype(
         ("gauges", "<f8", (16,)),  # the actor's own numbers (the scheduler's page use, queue lengths)
         ("spare_pid", "<i8"),  # its warm spare: the pid once set up (written by the spare), SPARE_STARTING, or 0
         ("spare_process", "<i8"),  # its warm spare's pid from its start until it dies or is promoted, else 0
+        ("exitcode", "<i8"),  # how its last process ended (multiprocessing's: -N for signal N), written before `restarts` moves
     ]
 )
 SPARE_STARTING = -1
+
+
+def crashed(exitcode: int) -> bool:
+    """Did an actor's process die of its own fault (an exception, a segfault, an abort), not of a kill from outside:
+    SIGKILL (a kill, the OOM killer, or the supervisor's own for a hang) or SIGTERM?"""
+    return exitcode not in (0, -signal.SIGKILL, -signal.SIGTERM)
+
+
 STATUS_KEYS = ("name", "kind", "pid", "state", "epoch", "restarts", "heartbeat_age_s", "spare_pid", "spare_state")
 
 

@@ -126,6 +126,12 @@ class EngineActor(Actor):
         self.m_transfer_bytes, self.m_transfer = metrics().pd_transfer_bytes, metrics().pd_transfer
         self.replica, self.stats_interval, self.load_since = replica, serve.stats_interval, time.monotonic()
 
+    def _start(self) -> int:
+        """Which start of this engine's row this one is, where its restart keeps the epoch (its row's restart count,
+        read once promoted): two deaths in a row leave two resync plans in the ring, and only the second is for it.
+        An engine group's restart starts a new epoch, whose frames alone it reads."""
+        return int(self.slot["restarts"]) if self.ctx.spec.keeps_epoch else 0
+
     async def _next_frame(self, timeout: float | None) -> tuple[str, Frame] | None:
         """The next admitted frame within `timeout` (0: one already there): from the scheduler's ring, or on
         a node past the first from rank 0's relay. Rank 0 relays each one it reads but pings, which are its own."""
@@ -248,8 +254,8 @@ class EngineActor(Actor):
                     continue
                 assert isinstance(payload, Step)
                 plan = payload.plan
-                if not (self.synced or plan.resync):
-                    log.info("step_skipped", step=plan.step)  # its predecessor's: the scheduler plans it again
+                if not (self.synced or (plan.resync and plan.engine_start >= self._start())):
+                    log.info("step_skipped", step=plan.step)  # a predecessor's: the scheduler plans it again
                     continue
                 self.synced, self.held = True, []  # a step changes the pool: what it held is the slots' now
                 if not self.in_flight:

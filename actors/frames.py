@@ -112,6 +112,7 @@ class Refusal(Payload):
     message: str
     status: int = 400
     param: str | None = None
+    kind: str = "invalid_request_error"  # OpenAI's error type
 
 
 @dataclass(frozen=True)
@@ -224,7 +225,8 @@ class Delta:
     def as_dict(self) -> dict:
         """The form api.app reads from a request's inbox."""
         if self.error is not None:
-            return {"rid": self.rid, "error": {"message": self.error.message, "status": self.error.status, "param": self.error.param}}
+            error = self.error
+            return {"rid": self.rid, "error": {"message": error.message, "status": error.status, "param": error.param, "kind": error.kind}}
         out = {"rid": self.rid, "text": self.text, "token_ids": self.token_ids, "finish": self.finish, "matched_stop": self.matched_stop}
         if self.logprobs is not None:
             out["logprobs"] = self.logprobs

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -27,6 +26,7 @@ import numpy as np
 import structlog
 
 from actors.base import Actor
+from actors.control import crashed
 from actors.frames import (
     Abort,
     Adopt,
@@ -216,7 +216,8 @@ class SchedulerActor(Actor):
         self._detokenizer_restarts, self._resync = self._restarts(self._detokenizer_slot), False
         self._engine_restarts = {role: self._restarts(index) for role, index in self._engine_slots.items()}
         self._engines_lost: set[str] = set()
-        self.in_flight = {role: deque[int]() for role in self.sides}
+        self._engines_crashed: set[str] = set()  # of those, the ones whose engine died of a crash, not of a kill
+        self.in_flight = {role: dict[int, StepPlan]() for role in self.sides}  # by step, in order
         self.compiling: dict[int, Request] = {}  # waiting requests whose grammar the engines compile (Request.compiling)
         self.unloaded: set[str] = set()  # LoRA adapters unloaded since this scheduler started: a request for one is refused
         # nothing is planned until the engine has said what its pool kept of the epoch before (frames.Adopt)
@@ -245,6 +246,8 @@ class SchedulerActor(Actor):
             if (restarts := self._restarts(index)) != self._engine_restarts[role]:
                 self._engine_restarts[role] = restarts
                 self._engines_lost.add(role)
+                if crashed(int(self.control.slots[index]["exitcode"])):
+                    self._engines_crashed.add(role)
         for worker, index in self._api_slots.items():
             if (restarts := self._restarts(index)) != self._api_restarts[worker]:
                 self._api_restarts[worker], self._api_floors[worker] = restarts, first_counter(restarts)
@@ -272,16 +275,19 @@ class SchedulerActor(Actor):
             for role, names in self.sides.items():
                 epoch, core = self.epoch, self.cores[role]  # what the plan below belongs to, should the epoch move on meanwhile
                 adopted = bool(core.adopted)
-                plan = core.schedule() if not self.adopting and len(self.in_flight[role]) < self.engine_config.steps_in_flight else None
+                ahead = 1 if core.quarantine else self.engine_config.steps_in_flight  # a suspect's step is the only one in flight
+                plan = core.schedule() if not self.adopting and len(self.in_flight[role]) < ahead else None
                 if adopted and not core.adopted:  # what no replay claimed has gone back to the pool
                     self._publish_gauges()
                 if ended := core.take_ended():
                     await self._emit(ended, with_token=False, epoch=epoch)
                 if plan:
+                    if plan.resync:  # the engine that starts now skips a resync meant for an engine that died before it
+                        plan.engine_start = self._engine_restarts.get(role, 0)
                     self._on_planned(plan, core)
                     await self.send_all(names, Step(plan), plan.step, epoch=epoch)  # every tensor-parallel rank runs it
                     if epoch == self.epoch:  # else it was dropped, and the new epoch starts with none in flight
-                        self.in_flight[role].append(plan.step)
+                        self.in_flight[role][plan.step] = plan
                     self._publish_gauges()
                     planned = True
             if planned:
@@ -305,6 +311,9 @@ class SchedulerActor(Actor):
             await self._handle(*got)
         core = self.cores[role]
         log.info("engine_resync", role=role, running=len(core.running), lost_steps=list(self.in_flight[role]))
+        if role in self._engines_crashed:  # a query of death is run alone, then ended
+            self._engines_crashed.discard(role)
+            await self._end_crashed(core.after_crash(list(self.in_flight[role].values())))
         self.in_flight[role].clear()
         core.reopen()
         if self.pair is not None and role == "decode":  # copies it may not have run: the prefill side lets go of them
@@ -313,12 +322,20 @@ class SchedulerActor(Actor):
             await self._ask_compile(rid, request)
         self._ask_adoption = self.adopting  # the dead engine may have taken the question with it
 
+    async def _end_crashed(self, requests: list[Request]) -> None:
+        """Requests that crashed the engine twice end with a server error naming them; the others go on."""
+        for request in requests:
+            trace = timeline.trace if (timeline := self.timelines.get(request.rid)) is not None else str(request.rid)
+            request.error = f"request {trace}: {request.error}"
+            log.error("query_of_death", rid=trace, prompt_tokens=len(request.prompt_ids), generated=len(request.output_ids))
+        await self._emit(requests)
+
     async def _handle(self, peer: str, frame: Frame) -> None:
         rid = frame.rid
         match decode(frame):
             case StepResults(step=step, results=results):
                 role = self.role_of[peer]
-                self.in_flight[role].remove(step)
+                del self.in_flight[role][step]
                 await self._emit(self.core.update(step, results) if self.pair is None else self.pair.update(role, step, results))
             case Adopt(held=held, disk=disk) if self.adopting and self.role_of[peer] == self.first:
                 host = self._host_index()
@@ -473,7 +490,8 @@ class SchedulerActor(Actor):
             if request.error is not None:  # the engine could not go on: its client gets the error instead of a finish
                 self.announce.pop(request.rid, None)
                 self._on_finished(request)
-                await self._refuse(request.rid, Refusal(request.error))
+                refusal = Refusal(request.error, 500, kind="internal_error") if request.crashed else Refusal(request.error)
+                await self._refuse(request.rid, refusal)
                 continue
             item = TokenItem(request.rid, None, [])
             if (generated := self.announce.pop(request.rid, None)) is not None:  # first tokens: what the detokenizer must know

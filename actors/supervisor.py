@@ -425,6 +425,7 @@ class Supervisor:
                 )
         self._restart_dependents(index)
         slots, group = self.control.slots, self.topology.actors[index].group
+        slots[index]["exitcode"] = proc.exitcode if proc.exitcode is not None else 0
         members = [index] if group is None else self._members(group)
         was_ready = slots[index]["state"] in (ActorState.READY, ActorState.DOWN)  # DOWN: ready when its group went down
         for member in members:  # before the new epoch: nothing is placed on them

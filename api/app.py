@@ -175,7 +175,7 @@ def _cut_off(request: web.Request, rid: str, why: str) -> None:
 def _raise_if_refused(delta: dict) -> None:
     if "error" in delta:
         error = delta["error"]
-        raise ApiError(error["message"], error.get("status", 400), param=error.get("param"))
+        raise ApiError(error["message"], error["status"], param=error["param"], kind=error["kind"])
 
 
 class Overloaded(Exception):

@@ -18,6 +18,7 @@ from api.errors import ApiError
 from api.guides import Guide, Tools, guide_of, tool_guide, tools_of
 from runtime.sampling_params import InvalidParams, SamplingParams
 from runtime.text.prompt_length import text_bytes
+from transport import env
 
 MAX_N = 64
 MAX_STOPS = 16
@@ -355,6 +356,10 @@ def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprob
     given: dict[str, Any] = {name: value for name, kinds in SAMPLING_FIELDS.items() if (value := _get(body, name, kinds)) is not None}
     # frames carry a seed as a 64-bit integer (offline, any integer seeds)
     given["seed"] = _get(body, "seed", (int,), check=lambda v: -(2**63) <= v < 2**63, why="must fit in 64 bits")
+    if (crash_at := _get(body, "crash_at", (int,))) is not None:
+        if not env.fault_injection():
+            raise ApiError("'crash_at' is a fault-injection hook for tests: serve with RINGLLM_FAULT_INJECTION=1", param="crash_at")
+        given["crash_at"] = crash_at
     sent_as = {"logprobs": "top_logprobs"} if chat else {}
     max_tokens = _get(body, "max_tokens", (int,))
     if chat and (newer := _get(body, "max_completion_tokens", (int,))) is not None:

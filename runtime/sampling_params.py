@@ -41,6 +41,7 @@ RANGES: dict[str, tuple[Callable, str]] = {
     "prompt_logprobs": _within(0, MAX_LOGPROBS),
     "priority": (lambda v: -(2**31) <= v < 2**31, "must fit in 32 bits"),
     "cache_salt": (lambda v: 0 < len(v) <= MAX_CACHE_SALT, f"must be a non-empty string of at most {MAX_CACHE_SALT} characters"),
+    "crash_at": (lambda v: v >= 0, "must be at least 0"),
     "logit_bias": (lambda pairs: all(-100 <= b <= 100 for _, b in pairs), "must map token ids to biases between -100 and 100"),
 }
 
@@ -66,6 +67,7 @@ class SamplingParams:
     # vLLM's: the prefix cache's namespace; a request reuses only KV cached under the same salt (None: the shared one)
     cache_salt: str | None = None
     lora: str | None = None  # the LoRA adapter it runs with, by name (runtime.models.lora); None: the base model alone
+    crash_at: int | None = None  # a test's fault injection (transport.env.fault_injection): the engine raises at this draw
 
     def __post_init__(self) -> None:
         """Lists become tuples (the frames carry lists), then every range is checked: the first that

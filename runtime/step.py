@@ -61,6 +61,7 @@ class StepPlan:
     decodes: list[int] = field(default_factory=list)  # slots fed their own last sampled token
     # the first plan for an engine: one that starts (or took over a dead one's KV pool) runs plans from here on
     resync: bool = False
+    engine_start: int = 0  # with `resync`: which start of the engine it is for (ignored by an earlier start's successor)
     moves: list[KVMove] = field(default_factory=list)  # run first, after `freed`, `new_slots` and `pages` are applied
     # (full page, window page): where a sliding-window layer keeps a full page's tokens (runtime.scheduler.window_pages)
     window_pages: list[tuple[int, int]] = field(default_factory=list)
@@ -103,6 +104,7 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
         "pages": [[slot, len(pages)] for slot, pages in plan.pages],
         "chunks": [[c.slot, len(c.token_ids), c.sample, c.drafts] for c in plan.chunks],
         "resync": plan.resync,
+        "engine_start": plan.engine_start,
         "moves": [
             [m.kind, len(m.device), len(m.host), [k.hex() for k in m.keys], m.parent.hex(), m.position, len(m.tokens)] for m in plan.moves
         ],
@@ -118,7 +120,8 @@ def plan_to_wire(plan: StepPlan) -> tuple[dict, list[list[int]]]:
 
 def plan_from_wire(meta: dict, arrays: list) -> StepPlan:
     history, pages, tokens, moved, window, imported = (a.tolist() for a in arrays)
-    plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"], resync=meta["resync"])
+    plan = StepPlan(step=meta["step"], freed=meta["freed"], decodes=meta["decodes"])
+    plan.resync, plan.engine_start = meta["resync"], meta["engine_start"]
     plan.window_pages = list(zip(window[::2], window[1::2]))
     at = 0
     for slot, rid, params, seed, prompt_len, output_len, cached in meta["new"]:

@@ -131,6 +131,7 @@ SHARED: list[tuple[str, str, Any]] = [
     ("logit_bias-too-strong", "logit_bias", {"3": -150}),
     ("priority-under-fcfs", "priority", 1),  # this server schedules first come, first served
     ("priority-string", "priority", "high"),
+    ("crash_at-without-fault-injection", "crash_at", 3),  # a test hook, refused unless RINGLLM_FAULT_INJECTION=1
     ("model-unknown", "model", "gpt-4o"),
 ]
 

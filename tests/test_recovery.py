@@ -143,6 +143,36 @@ def server_processes(server) -> list[psutil.Process]:
     return psutil.Process(server.proc.pid).children(recursive=True)
 
 
+def test_a_query_of_death_is_ended_alone_and_every_other_stream_goes_on(served, tmp_path, monkeypatch):
+    """A request whose draw makes the engine raise (the fault-injection hook crash_at) joins a load of 8 streams.
+    The engine dies of it in a batch; every request of the lost steps then runs alone until a step of its own is
+    answered, and the suspect's own step crashes the replacement too. Only it ends, with a 500 naming it; every
+    other stream equals its fault-free twin, and no third crash comes."""
+    monkeypatch.setenv("RINGLLM_FAULT_INJECTION", "1")
+    server = launch(served, tmp_path / "serve.log")
+    bodies = _bodies(8, 48, server.model)
+    poison = {"model": server.model, "prompt": [5, 6, 7, 8], "max_tokens": 16, "crash_at": 3, "temperature": 0}
+
+    async def send_poison() -> None:
+        async with aiohttp.ClientSession(server.base_url) as http, http.post("/v1/completions", json=poison) as reply:
+            answers.append((reply.status, await reply.json()))
+
+    answers: list[tuple[int, dict]] = []
+    try:
+        reference, streams = asyncio.run(faulted_load(server, bodies, send_poison))
+        assert [(s.error, s.text, s.token_ids, s.finish) for s in streams] == [(None, s.text, s.token_ids, s.finish) for s in reference]
+        ((status, body),) = answers
+        error = body["error"]
+        assert status == 500 and error["type"] == "internal_error", body
+        assert error["message"].startswith("request cmpl-") and "crashed the engine twice" in error["message"]
+        assert len(log_events(server.log, "query_of_death")) == 1
+        rows = orjson.loads(ringllm("status", "--json", "--port", str(server.port)).stdout)
+        assert next(r["restarts"] for r in rows if r["name"] == "engine") == 2  # the batch's crash, then its own: no third
+        assert server.get("/health")["status"] == "ok"
+    finally:
+        server.stop()
+
+
 @pytest.fixture(scope="module")
 def two_workers(tiny_model, smollm2, tmp_path_factory):
     """A server with two api workers, shared: a tokenizer's death, a worker's, then (last) a SIGTERM that ends it."""

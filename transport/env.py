@@ -45,6 +45,12 @@ def cpu_kernels() -> bool:
     return os.environ.get("RINGLLM_CPU_KERNELS", "1") != "0"
 
 
+def fault_injection() -> bool:
+    """RINGLLM_FAULT_INJECTION: 1 lets a request carry `crash_at`, which makes the engine raise once the request has
+    drawn that many tokens: how the tests make a query of death. Off, the api refuses the field."""
+    return os.environ.get("RINGLLM_FAULT_INJECTION", "0") == "1"
+
+
 def pdl() -> bool:
     """RINGLLM_PDL: 0 turns off programmatic dependent launch of the Triton kernels on Hopper GPUs."""
     return os.environ.get("RINGLLM_PDL", "1") != "0"

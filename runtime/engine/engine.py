@@ -260,6 +260,7 @@ class Engine:
         # set by an owner that follows an eager step's progress: called between layers, True abandons the step (StepAbandoned)
         self.between_layers: Callable[[], bool] | None = None
         self.speculation = SpecStats()
+        self.fault_injection = env.fault_injection()  # a test's query of death (SamplingParams.crash_at)
         self.drafter: DraftModel | None = None  # a model-drafting speculation's (the draft_model phase)
         # Start-up runs in phases, each timed for engine_ready's startup_s: where a restart's time goes.
         phases: dict[str, Callable[[], None]] = {
@@ -614,6 +615,8 @@ class Engine:
             assert self.tiers is not None  # the scheduler moves pages between tiers only where there are some
             waits = self.tiers.run(plan.moves)
         step = self._host_step(plan, drafted)
+        if self.fault_injection:
+            self._crash_if_asked(step)
         try:
             logits, sample_slots_on_device = self._forward(plan, step, waits)
         except StepAbandoned:  # its rows' KV is not all in the pool: the slots end where they were
@@ -633,6 +636,13 @@ class Engine:
         if self.drafter is not None and step.drafts:
             self.drafter.follow(step, pending)
         return pending
+
+    @staticmethod
+    def _crash_if_asked(step: HostStep) -> None:
+        """A test's query of death: a request that draws at or past its crash_at raises, and the engine dies of it."""
+        for state in step.states:
+            if state.params.crash_at is not None and state.sampled >= state.params.crash_at:
+                raise RuntimeError(f"fault injection: request {state.rid} draws at {state.sampled} (crash_at {state.params.crash_at})")
 
     def _host_step(self, plan: StepPlan, drafted: DeviceDraft | None = None) -> HostStep:
         """The step's rows, positions, KV rows and attention plan on the host, chunks first; the

@@ -25,6 +25,7 @@ LORA_SALT = "\x00lora:"  # before the adapter's name, what a request with a LoRA
 # NGRAM found no draft: a lookup needs every token answered, which stalls the device between steps, so the
 # request decodes this many steps with the others in flight before it looks again
 PLAIN_DECODES_AFTER_A_MISS = 4
+CRASHED_TWICE = "it crashed the engine twice, the second time alone in its step: it was ended so that the other requests go on"
 
 
 @dataclass
@@ -38,6 +39,7 @@ class Request:
     prompt_logprobs: list[PromptLogprob] | None = None  # positions 1.. of the prompt, with the first token
     finish_reason: str | None = None
     error: str | None = None  # why the engine could not go on (then finish_reason is "abort"): its client gets this
+    crashed: bool = False  # with `error`: it crashed the engine twice (Scheduler.after_crash), a server error
     cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     matched: int = 0  # tokens found in the prefix cache at its latest admission
     # dropped on preemption:
@@ -125,6 +127,10 @@ class Scheduler:
         self.incoming: dict[int, list[int]] = {}
         self._imports: dict[int, list[int]] = {}
         self.imported: list[int] = []  # rids whose copies have run (update): the prefill side may release their pages
+        # after a crash of the engine, the requests its lost steps fed (by rid, in order) each run alone until a step
+        # of their own is answered; by step in flight, the request a step runs alone
+        self.quarantine: dict[int, None] = {}
+        self._solo: dict[int, Request] = {}
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = (), pin: bool = False) -> Request:
         """Queue a request; `generated`: tokens of a replay, recomputed like a preempted request's where
@@ -184,11 +190,14 @@ class Scheduler:
                 self.windows.assigned = list(self.windows.of.items())
         for request in self.running:
             self._slide(request)
+        solo = self._suspect()
         budget, mixed = self.config.max_prefill_tokens, self.config.mixed_chunk
         assert budget is not None  # EngineConfig fills in the device's default
         limit = self.config.speculative_disable_by_batch_size
         self.speculating = self.speculative and (limit is None or len(self.running) <= limit)
         for request in list(self.running):
+            if solo is not None and request is not solo:
+                continue
             if self.speculating and request.decoding:  # back to drafting once its decodes in flight have answered
                 if request.plain_decodes and request.slot is not None and not self._fully_planned(request):
                     if self._grow(request, 1, plan):  # after a lookup that found nothing: decodes, overlapped as plain ones
@@ -218,7 +227,7 @@ class Scheduler:
         for request in list(self.waiting):
             if budget <= 0 or not self._free_slots:
                 break
-            if request.compiling:  # it waits for its grammar, and the queue passes it by
+            if request.compiling or (solo is not None and request is not solo):  # it waits for its grammar or its turn
                 continue
             if (lora := request.params.lora) is not None and lora not in adapters:
                 if len(adapters) >= self.config.max_loras_per_batch:  # one adapter too many for a step: the queue passes it by
@@ -235,8 +244,15 @@ class Scheduler:
         # prefill first: decodes get the steps with nothing to prefill
         if not (mixed or plan.chunks or self.speculating or self.prefill_only):
             for request in list(self.running):
+                if solo is not None and request is not solo:
+                    continue
                 if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
                     self._feed(request, 1, plan)
+        if solo is not None:
+            if plan.chunks or plan.decodes:
+                self._solo[plan.step] = solo
+            else:  # it cannot run now: it rejoins the batch rather than hold up every other request
+                del self.quarantine[solo.rid]
         if not plan:
             self._freed = plan.freed  # sent with the next real step (so are the KV moves queued meanwhile)
             if self.adopted and not self._resync and not self.has_work():  # the replays have come and gone
@@ -248,6 +264,34 @@ class Scheduler:
             if self.windows is not None:
                 plan.window_pages = self.windows.take_assigned()
         return plan
+
+    def _suspect(self) -> Request | None:
+        """The quarantined request this plan runs alone, the first still here; None while none is quarantined."""
+        while self.quarantine:
+            rid = next(iter(self.quarantine))
+            if (request := next((r for r in (*self.running, *self.waiting) if r.rid == rid), None)) is not None:
+                return request
+            del self.quarantine[rid]  # it ended meanwhile
+        return None
+
+    def after_crash(self, lost: list[StepPlan]) -> list[Request]:
+        """The engine died of a crash (not of a kill: actors.control.crashed) with these plans unanswered. A request
+        that ran alone in one has crashed it twice, the first time in a batch: it ends with an error (returned), so
+        that the crash loop stops. Every other request they fed is quarantined: it runs alone until a step of its
+        own is answered, so that a second crash names the request that causes it, and only that one."""
+        ended = []
+        for plan in lost:
+            if (request := self._solo.pop(plan.step, None)) is not None:
+                self.quarantine.pop(request.rid, None)
+                if request in self.running:
+                    request.error, request.crashed, request.finish_reason = CRASHED_TWICE, True, "abort"
+                    self._finish(request)
+                    ended.append(request)
+                continue
+            for slot in [c.slot for c in plan.chunks] + plan.decodes:
+                if (request := self._by_slot.get(slot)) is not None and request.rid not in self.quarantine:
+                    self.quarantine[request.rid] = None
+        return ended
 
     def _slide(self, request: Request) -> None:
         """Its window pages before the first its next query sees go back (by `confirmed`: the steps after it may
@@ -317,6 +361,7 @@ class Scheduler:
         self._imports.clear()
         if self.cache is not None:
             self.cache.reopen()
+        self._solo.clear()  # lost with the engine: their requests run alone again
         for request in list(self.running):
             if request.params.prompt_logprobs is not None and not request.output_ids:
                 request.confirmed = 0  # the prompt's log-probabilities so far died with the engine: its prompt runs again
@@ -523,6 +568,8 @@ class Scheduler:
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
         """Record `step`'s tokens (a slot's in order, several after a speculative chunk); returns the requests
         that got any, each once, with `fresh` set to how many."""
+        if (solo := self._solo.pop(step, None)) is not None:  # it ran alone and the engine lived: out of quarantine
+            self.quarantine.pop(solo.rid, None)
         if self.cache is not None:
             self.cache.answered(step)
         self.imported += self._imports.pop(step, ())
