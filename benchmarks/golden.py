@@ -98,20 +98,22 @@ async def complete(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) 
         answer = await reply.json(loads=orjson.loads, content_type=None)
     if reply.status != 200:
         raise RuntimeError(f"the server answered {reply.status}: {answer.get('error', answer)}")
-    choices = []
-    for choice in answer["choices"]:
-        ids, block = choice["token_ids"], choice["logprobs"]
-        logprobs = [entry["logprob"] for entry in block["content"]] if "content" in block else block["token_logprobs"]
-        # an echo's logprobs begin with the prompt's tokens: the emitted ones are the last
-        choices.append(
-            {
-                "index": choice["index"],
-                "token_ids": ids,
-                "logprobs": logprobs[len(logprobs) - len(ids) :],
-                "finish_reason": choice["finish_reason"],
-            }
-        )
-    return sorted(choices, key=lambda c: c["index"])
+    try:
+        return sorted((_traced_choice(choice) for choice in answer["choices"]), key=lambda c: c["index"])
+    except (KeyError, TypeError) as exc:
+        raise RuntimeError(f"the answer has no token ids or logprobs where a trace needs them ({exc!r})") from None
+
+
+def _traced_choice(choice: dict[str, Any]) -> dict[str, Any]:
+    ids, block = choice["token_ids"], choice["logprobs"]
+    logprobs = [entry["logprob"] for entry in block["content"]] if "content" in block else block["token_logprobs"]
+    # an echo's logprobs begin with the prompt's tokens: the emitted ones are the last
+    return {
+        "index": choice["index"],
+        "token_ids": ids,
+        "logprobs": logprobs[len(logprobs) - len(ids) :],
+        "finish_reason": choice["finish_reason"],
+    }
 
 
 async def bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -207,7 +209,7 @@ def config_differences(recorded: Any, served: Any, path: str = "") -> list[str]:
 async def _replay(http: aiohttp.ClientSession, url: str, index: int, line: dict[str, Any], tolerance: float) -> list[Divergence]:
     try:
         replayed = await complete(http, url, line["body"])
-    except (RuntimeError, aiohttp.ClientError, TimeoutError) as exc:
+    except (RuntimeError, ValueError, aiohttp.ClientError, TimeoutError) as exc:  # ValueError: a body that is not JSON
         return [Divergence(index, 0, "error", detail=f"the replay failed: {exc}")]
     return compare(index, line["choices"], replayed, tolerance)
 
