@@ -75,7 +75,7 @@ class ApiWorker(Actor):
         model = ModelConfig.load(Path(serve.model_dir))
         self.max_model_len, self.vocab_size, self.moe = model.max_position, model.vocab_size, model.moe is not None
         self.page_size, self.kv_cache_dtype = serve.engine.page_size, serve.engine.kv_cache_dtype
-        self.deterministic = serve.engine.deterministic
+        self.deterministic, self.sampling_defaults = serve.engine.deterministic, serve.engine.override_generation_config
         self.config = serve.record()  # what /server_info reports, so a benchmark records what ran
         self.priorities = serve.engine.schedule_policy == "priority"
         self.lora, self.started_adapters = serve.engine.enable_lora, serve.engine.lora_adapters
@@ -368,6 +368,7 @@ class ApiWorker(Actor):
             self.tool_call_parser,
             self.reasoning_parser,
             tuple(self.adapters().items()),
+            self.sampling_defaults,
         )
 
     def health(self) -> str:

@@ -1,4 +1,4 @@
-"""The `ringllm` command line: serve, router, status, chat, trace and bench."""
+"""The `ringllm` command line: serve, router, status, chat, trace, bench and golden."""
 
 from __future__ import annotations
 
@@ -167,16 +167,31 @@ def build_parser() -> argparse.ArgumentParser:
     )
     b.add_argument("workload", choices=["offline", "serve", "multiturn"])
     b.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own flags")
+
+    g = commands.add_parser(
+        "golden",
+        help="golden traces: record a server's answers to request bodies, or check a server against a recording "
+        "(see `ringllm golden record --help`, `ringllm golden check --help`)",
+    )
+    g.add_argument("action", choices=["record", "check"])
+    g.add_argument("options", nargs=argparse.REMAINDER, help="the action's own flags")
     return parser
+
+
+def _client_tool(module: str, argv: list[str]) -> int | None:
+    """A client tool of benchmarks/, imported only when run: the layers below it never import benchmarks."""
+    import importlib
+
+    return importlib.import_module(f"benchmarks.{module}").main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "bench":
-        import importlib
-
-        importlib.import_module(f"benchmarks.{args.workload}").main(args.options)
+        _client_tool(args.workload, args.options)
         return 0
+    if args.command == "golden":
+        return _client_tool("golden", [args.action, *args.options]) or 0
     if args.command == "serve":
         return serve(args)
     if args.command == "trace":

@@ -63,6 +63,7 @@ class Limits:
     tool_call_parser: str = DEFAULT_TOOL_CALL_PARSER  # how tool calls are written (api.chat_output), and forced ones held to it
     reasoning_parser: str | None = None  # how reasoning is set apart from the answer (api.chat_output)
     adapters: tuple[tuple[str, str], ...] = ()  # (name, path) of each LoRA adapter served: a request names one as its model
+    sampling_defaults: tuple[tuple[str, Any], ...] = ()  # --override-generation-config: for the fields a request leaves out
 
     @property
     def max_prompt_bytes(self) -> int | None:
@@ -366,6 +367,9 @@ def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprob
         max_tokens, sent_as["max_tokens"] = newer, "max_completion_tokens"  # OpenAI's newer name wins
     if chat or max_tokens is not None:  # left out: the rest of the context for chat, SamplingParams' default for completions
         given["max_tokens"] = max_tokens
+    for name, value in limits.sampling_defaults:  # the server's defaults, where the request gives none
+        if given.get(name) is None:
+            given[name] = value
     stop_ids = _get(body, "stop_token_ids", (list,), default=[])
     if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
         raise ApiError(

@@ -95,16 +95,18 @@ def run_in_process(
             torch.cuda.synchronize()
         return sum(len(o.token_ids) for o in outputs) / (time.perf_counter() - started)
 
+    # the server's defaults under what the workload sets, as a request to the server gets them
+    defaults = llm.get_default_sampling_params()
     warm = prompts[:WARMUP]
-    timed(warm, [SamplingParams(max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
-    params = [SamplingParams(max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
+    timed(warm, [dataclasses.replace(defaults, max_tokens=32, temperature=0.6, ignore_eos=True)] * len(warm))
+    params = [dataclasses.replace(defaults, max_tokens=n, temperature=0.6, ignore_eos=True, seed=i) for i, n in enumerate(lengths)]
     figures = {"offline": []}
     for _ in range(rounds):
         llm.flush_cache()
         figures["offline"].append(timed(prompts, params))
     if single:
         figures["single"] = [
-            timed([single], [SamplingParams(max_tokens=512, temperature=0, ignore_eos=True)]) for _ in range(SINGLE_REPEATS)
+            timed([single], [dataclasses.replace(defaults, max_tokens=512, temperature=0, ignore_eos=True)]) for _ in range(SINGLE_REPEATS)
         ]
     return figures, startup_s, {"engine": dataclasses.asdict(llm.config)}
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import structlog
 
 from runtime.cli_args import CliConfig, flag
+from runtime.sampling_params import SamplingParams
 from runtime.scheduler.tiers import STORAGE_BACKENDS, WRITE_POLICIES
 
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
@@ -432,6 +434,34 @@ def lora_adapter(entry: str) -> tuple[str, str]:
     return name, path
 
 
+# what --override-generation-config may set, as vLLM's: generation_config.json's sampling keys, by SamplingParams' names
+GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_tokens")
+GENERATION_ALIASES = {"max_new_tokens": "max_tokens"}  # generation_config.json's name, which vLLM's flag takes
+
+
+def generation_defaults(given: Mapping[str, Any] | Iterable[tuple[str, Any]]) -> tuple[tuple[str, Any], ...]:
+    """--override-generation-config's object (or its pairs) as sorted (SamplingParams field, value) pairs, each
+    checked against the field's range, so that a server refuses at start a default no request could send."""
+    named = {GENERATION_ALIASES.get(name, name): value for name, value in dict(given).items()}
+    if unknown := sorted(named.keys() - set(GENERATION_DEFAULTS)):
+        raise ValueError(f"override_generation_config takes {', '.join(GENERATION_DEFAULTS)} (or max_new_tokens), not {unknown}")
+    if any(isinstance(value, bool) or not isinstance(value, int | float) for value in named.values()):
+        raise ValueError(f"override_generation_config's values are numbers, not {named}")
+    try:
+        SamplingParams(**named)
+    except ValueError as exc:
+        raise ValueError(f"override_generation_config: {exc}") from None
+    return tuple(sorted(named.items()))
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    """A flag's JSON object."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON object is expected, not {text}")
+    return value
+
+
 def _by_device(name: str) -> str:
     """The help text's note on a default that depends on the device."""
     return f"default: {device_defaults('cuda')[name]} on CUDA, {device_defaults('cpu')[name]} on CPU"
@@ -547,6 +577,18 @@ class EngineConfig(CliConfig):
     dummy_weights: bool = field(default=False, metadata=flag("random weights of the config's shape"))
     attention_backend: str | None = field(default=None, metadata=flag(_by_device("attention_backend"), choices=ATTENTION_BACKEND_NAMES))
     seed: int = field(default=0, metadata=flag("seeds the per-request seeds of requests that bring none"))
+    # applied where a request becomes SamplingParams (api.protocol, LLM.get_default_sampling_params); a JSON object
+    # on the command line, a dict or pairs as LLM's keyword, held as sorted pairs so that the config stays hashable
+    override_generation_config: tuple[tuple[str, Any], ...] = field(
+        default=(),
+        metadata=flag(
+            "vLLM's: a JSON object of sampling defaults for the fields a request leaves out, of "
+            f'{", ".join(GENERATION_DEFAULTS)} (or max_new_tokens), e.g. \'{{"temperature": 0.5, "top_p": 0.9}}\'',
+            metavar="JSON",
+            parse=_json_object,
+            show=lambda pairs: json.dumps(dict(pairs)),
+        ),
+    )
     steps_in_flight: int | None = field(
         default=None, metadata=flag(f"steps planned ahead of their results ({_by_device('steps_in_flight')}; 1: no overlap)")
     )
@@ -704,6 +746,7 @@ class EngineConfig(CliConfig):
             raise ValueError("prefill-decode disaggregation runs one rank a side, without speculative decoding or KV tiers")
         if self.deterministic and (self.quantization or self.fp8_kv or self.tensor_parallel_size > 1):
             raise ValueError("deterministic inference runs unquantized weights and KV on one rank (FP8 scales and all-reduces mix rows)")
+        object.__setattr__(self, "override_generation_config", generation_defaults(self.override_generation_config))
         if self.deterministic and self.device == "cpu" and self.dtype == "auto":  # the CPU's batch-invariant attention is fp32
             object.__setattr__(self, "dtype", "float32")
         self._check_lora()

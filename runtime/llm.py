@@ -147,10 +147,15 @@ class LLM:
             return [Side(self.engine, pair.schedule, pair.update)]
         return [Side(engine, partial(pair.schedule, role), partial(pair.update, role)) for role, engine in zip(ROLES, self.engines)]
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams with the config's override_generation_config applied, what a request to the
+        server that leaves every sampling field out runs with; generate's default."""
+        return SamplingParams(**dict(self.config.override_generation_config))
+
     def generate(
         self, prompts: Sequence[str | Sequence[int]], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> list[GenerationOutput]:
-        params = params or SamplingParams()
+        params = params or self.get_default_sampling_params()
         per_prompt = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         if len(per_prompt) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} sampling parameters")

@@ -368,13 +368,13 @@ def smol_server(smollm2: Path, tmp_path_factory) -> Iterator[Server]:
 
 
 def with_tokenizer(model_dir: Path, tokenizer_dir: Path, into: Path) -> Path:
-    """A copy of a tokenizer-less tiny model that borrows SmolLM2's tokenizer, for serving."""
+    """A copy of a tokenizer-less tiny model that borrows SmolLM2's tokenizer and chat template, for serving."""
     import shutil
 
     into.mkdir(parents=True, exist_ok=True)
     for item in model_dir.iterdir():
         shutil.copy(item, into / item.name)
-    for item in tokenizer_dir.glob("tokenizer*"):
+    for item in [*tokenizer_dir.glob("tokenizer*"), *tokenizer_dir.glob("chat_template*")]:
         shutil.copy(item, into / item.name)
     return into
 

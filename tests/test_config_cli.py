@@ -36,6 +36,7 @@ ENGINE = {
     "dummy_weights": True,
     "attention_backend": "torch",
     "seed": 7,
+    "override_generation_config": (("max_tokens", 64), ("temperature", 0.5), ("top_p", 0.9)),
     "steps_in_flight": 1,
     "tensor_parallel_size": 2,
     "custom_all_reduce": True,
