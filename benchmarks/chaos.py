@@ -20,7 +20,7 @@ recovery_ms runs from a kill to the next token of a stream that was in flight at
     python -m benchmarks.chaos --quick                 # SmolLM2, one kill per backend kind
     python -m benchmarks.chaos --kills 5 --signal stop # five freezes per kind
     python -m benchmarks.chaos --quick --kinds tokenizer engine engine:stop   # a death of each, and an engine hang
-    python -m benchmarks.chaos --quick --kinds engine --burst-gap 0.5 --startup-kill engine   # two engine deaths in a row
+    python -m benchmarks.chaos --quick --kinds engine:twice --startup-kill engine   # two engine deaths 0.5 s apart
 """
 
 from __future__ import annotations
@@ -366,12 +366,13 @@ async def run(args: argparse.Namespace) -> dict:
             for entry in args.kinds:  # KIND, or KIND:stop / KIND:kill to override --signal for it
                 kind, _, how = entry.partition(":")
                 sig = signal.SIGSTOP if (how or args.signal) == "stop" else signal.SIGKILL
+                burst_gap = args.burst_gap if how == "twice" else None
                 done, kind_recoveries, kind_pauses = 0, [], []
                 for _ in range(MAX_ROUNDS_PER_KILL * args.kills):
                     if done == args.kills:
                         break
                     streams, kill_times, promoted, replays = await _chaos_round(
-                        server, http, bodies, kind, args.kills - done, sig, rng, args.burst_gap
+                        server, http, bodies, kind, args.kills - done, sig, rng, burst_gap
                     )
                     done += len(kill_times)
                     summary["promoted"][entry] = summary["promoted"].get(entry, 0) + promoted
@@ -416,8 +417,8 @@ def _changed(got: Stream, want: Stream) -> bool:
 
 def _kind_entry(entry: str) -> str:
     kind, _, how = entry.partition(":")
-    if kind not in KINDS or how not in ("", "stop", "kill"):
-        raise argparse.ArgumentTypeError(f"{entry!r} is not KIND or KIND:stop|kill with KIND among {', '.join(KINDS)}")
+    if kind not in KINDS or how not in ("", "stop", "kill", "twice"):
+        raise argparse.ArgumentTypeError(f"{entry!r} is not KIND or KIND:stop|kill|twice with KIND among {', '.join(KINDS)}")
     return entry
 
 
@@ -430,7 +431,8 @@ def main(argv: list[str] | None = None) -> dict:
         nargs="+",
         type=_kind_entry,
         default=list(BACKEND_KINDS),
-        help="actor kinds, each KIND or KIND:stop / KIND:kill to give it its own signal (the summary keys them as given)",
+        help="actor kinds, each KIND or KIND:stop / KIND:kill to give it its own signal, or KIND:twice for a SIGKILL of it and "
+        "another of its replacement --burst-gap later (the summary keys them as given)",
     )
     parser.add_argument("--kills", type=int, default=5, help="kills per actor kind")
     parser.add_argument("--signal", choices=["kill", "stop"], default="kill", help="SIGKILL, or SIGSTOP (a hang)")
@@ -440,7 +442,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--hang-timeout", type=float, default=3.0, help="also the engine's watchdog timeout")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--burst-gap", type=float, help="make each kill a double one: the replacement is killed this many seconds after the first death"
+        "--burst-gap", type=float, default=0.5, help="with KIND:twice, the seconds from the first death to the replacement's kill"
     )
     parser.add_argument("--startup-kill", choices=KINDS, help="also SIGKILL this kind's actor once while the server starts up")
     parser.add_argument("--control", action="store_true", help="one more fault-free load first: control_mismatched, its changed streams")

@@ -44,23 +44,27 @@ def assert_clean(summary: dict) -> None:
 
 
 def test_chaos_quick_every_backend_kind_killed_an_engine_hung_and_every_stream_unchanged(served):
-    """One SIGKILL of each backend kind and of the engine's keeper, then one SIGSTOP of the engine (a hang),
-    under a 2 s hang timeout and watchdog. A third of the streams are held to a JSON schema: each replay
-    rebuilds their grammars (the engine's matchers from the tokens so far), and each ends as valid as its
-    fault-free twin."""
+    """The engine killed once during start-up; then one SIGKILL of each backend kind and of the engine's keeper,
+    two of the engine 0.5 s apart (the second before the first's replacement has a warm spare of its own), and
+    one SIGSTOP of the engine (a hang), under a 2 s hang timeout and watchdog. A third of the streams are held to
+    a JSON schema: each replay rebuilds their grammars (the engine's matchers from the tokens so far), and each
+    ends as valid as its fault-free twin."""
     watchdog = 2.0
     kinds = ("tokenizer", "scheduler", "engine", "detokenizer")
-    killed = (*kinds, "keeper", "engine:stop")
-    summary = chaos("--quick", "--guided", "--model", str(served), "--kinds", *killed, "--hang-timeout", str(watchdog))
+    killed = (*kinds, "keeper", "engine:twice", "engine:stop")
+    args = ("--quick", "--guided", "--model", str(served), "--kinds", *killed, "--startup-kill", "engine")
+    summary = chaos(*args, "--hang-timeout", str(watchdog))
     assert_clean(summary)
     assert summary["invalid_json"] == 0
-    assert summary["kills"] == {kind: 1 for kind in killed}
+    assert summary["kills"] == {kind: 1 for kind in killed} and summary["startup_kill"]["kind"] == "engine"
     # every kill of a backend kind was answered by a warm spare (the engine has one on CPU); the keeper's death
     # took the engine's spare with it, as it mapped the pool that died
-    assert all(summary["promoted"][kind] == 1 for kind in kinds) and summary["promoted"]["keeper"] == 0
+    assert all(summary["promoted"][kind] == 1 for kind in (*kinds, "engine:twice")) and summary["promoted"]["keeper"] == 0
     # only the scheduler's and the keeper's deaths recompute the streams: the engine's replacement maps the KV
-    # pool it left, over which the scheduler reopens every running request, its death or its hang alike
-    assert summary["replays"] == {"tokenizer": 0, "scheduler": 1, "engine": 0, "detokenizer": 0, "keeper": 1, "engine:stop": 0}
+    # pool it left, over which the scheduler reopens every running request, its death (twice in a row too) or its
+    # hang alike
+    replays = {"tokenizer": 0, "scheduler": 1, "engine": 0, "detokenizer": 0, "keeper": 1, "engine:twice": 0, "engine:stop": 0}
+    assert summary["replays"] == replays
     assert set(summary["longest_pause_ms"]) == set(summary["kills"])
     # the watchdog, then the engine's replacement: seconds on the quiet 2-core machine, up to 3x that beside
     # other load; the default watchdog (60 s) would take far longer
