@@ -22,8 +22,8 @@ answers once the grammar is ready, or once its compile has run past --grammar-co
 then refused). Only rank 0's answer admits the request, so every rank sees the same requests in each step; a
 rank whose own compile trails waits for it when the slot opens.
 
-On CPU, where launch runs the whole step and holds the loop, the engine beats between two layers (a
-long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
+On CPU, where launch runs the whole step and holds the loop, the engine beats and stamps its progress between
+two layers (a long prefill under load is not a hang), and a new epoch (the scheduler's restart) cuts the step short
 there: nobody waits for its tokens, and the replay's first step should not wait for it.
 
 Where the KV pool outlives the engine (actors.pipeline.pool_outlives_engine: one rank), the engine's
@@ -203,7 +203,10 @@ class EngineActor(Actor):
         return memory
 
     def _beat_and_check_epoch(self) -> bool:
+        """Between two layers of a CPU step: a layer done is progress too, for the watchdog as for the heartbeat, so
+        that a long prefill on a busy machine is not taken for a hang (and killed, and run again, and killed)."""
         self.beat()
+        self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
         return self.epoch_moved_on()
 
     def on_epoch(self, epoch: int) -> None:
