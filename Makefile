@@ -28,7 +28,7 @@ serve: venv
 # A worker a core, each with its own (tests/conftest.py pins them), a test file at a time on one worker.
 JOBS ?= 2
 test: venv lint
-	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # What `make test` runs less the slow and the GPU tests: every layer (ring, scheduler, engine, radix
 # cache, router, parity, one server) in about a minute. One torch thread: the tiny models gain nothing
