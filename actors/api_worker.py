@@ -36,6 +36,7 @@ from actors.gauges import ApiGauge, SchedulerGauge, TokenizerGauge
 from actors.kinds import first_counter, make_rid
 from actors.lora_registry import read_registry, update_registry
 from actors.pipeline import scheduler_names
+from actors.shadow import Mirror
 from api.app import Overloaded, build_app
 from api.connections import ConnectionGuard, ConnectionLimits, GuardedSite, connection_cap, runner_options
 from api.errors import ApiError
@@ -96,6 +97,8 @@ class ApiWorker(Actor):
         self.slot["gauges"][ApiGauge.LIVE] = 0  # a restarted worker holds nothing yet
         self.last_pong = 0.0
         self.schedulers = scheduler_names(serve)
+        shadow = self.options.get("shadow")
+        self.mirror = None if shadow is None else Mirror(shadow, serve.shadow_engine, serve.shadow_fraction, lambda: self.control.shadow)
         # rid -> the pages each replica's flush evicted, and the future that gets their sum once all are back
         self._flushes: dict[int, tuple[list[int], asyncio.Future[int]]] = {}
         self._adapter_ops: dict[int, tuple[list[LoraAdapter], asyncio.Future[list[LoraAdapter]]]] = {}
@@ -151,6 +154,8 @@ class ApiWorker(Actor):
 
     async def teardown(self) -> None:
         await self.runner.cleanup()
+        if self.mirror is not None:
+            await self.mirror.close()
 
     async def run(self) -> None:
         pinger = asyncio.create_task(self._ping(), name="ping")
@@ -235,7 +240,7 @@ class ApiWorker(Actor):
     async def submit(self, meta: dict, ids: list[int] | None, inbox: asyncio.Queue, client: str) -> int:
         rid = make_rid(self.worker, next(self._counter))
         params = meta["params"]
-        if params.seed is None:  # picked here, so that a replay samples the same tokens
+        if params.seed is None:  # picked here (a warm-up's; the app picks a client request's), so that a replay samples the same tokens
             params = replace(params, seed=random.getrandbits(63))
         submit = Submit(
             params,
@@ -384,7 +389,8 @@ class ApiWorker(Actor):
     def server_info(self) -> dict:
         """The KV cache's dtype and tokens, whether inference is deterministic; the schedulers' gauges: each
         replica's, and their sums under "scheduler"; for a mixture-of-experts model, each replica's latest
-        interval of routing counts under "moe"; under "config", every setting the server runs with."""
+        interval of routing counts under "moe"; under "config", every setting the server runs with; under "shadow", the
+        shadow server's flags, state and own settings (actors.shadow)."""
         replicas = []
         for name in self.schedulers:
             gauges = self.control.slots[self.control.index(name)]["gauges"]
@@ -408,4 +414,10 @@ class ApiWorker(Actor):
         }
         if self.moe:
             info["moe"] = expert_load.read(len(self.schedulers))
+        if self.mirror is not None:
+            info["shadow"] = self.mirror.report()
         return info
+
+    def answered(self, rid: str, body: dict, choices: list[dict]) -> None:
+        if self.mirror is not None:
+            self.mirror.offer(rid, body, choices)

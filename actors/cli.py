@@ -14,6 +14,7 @@ import orjson
 from actors import router
 from actors.control import STATUS_KEYS, ControlBlock, pid_alive
 from actors.pipeline import ServeConfig, engine_units, kv_pool_segment, pipeline
+from actors.shadow import plan
 from actors.supervisor import Supervisor, SupervisorConfig
 from actors.topology import DEFAULT_PORT
 from runtime.obs import trace
@@ -73,7 +74,8 @@ def serve(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as exc:  # before any process starts (OSError: an unreadable --warm-prefixes)
         print(f"ringllm serve: error: {exc}", file=sys.stderr)
         return 2
-    return Supervisor(pipeline(config), supervisor).run()
+    shadow = plan(config, [*supervisor.to_cli_args(), "--log-format", args.log_format]) if config.shadow_engine else None
+    return Supervisor(pipeline(config, shadow), supervisor).run()
 
 
 def _shm_shortfall(config: ServeConfig) -> str | None:

@@ -21,7 +21,9 @@ from transport.segment import Segment
 
 MAGIC = 0x52494E4743544C31  # "RINGCTL1"
 _NAMES_BYTES = 16 << 10
-_HEADER = np.dtype([("magic", "<u8"), ("supervisor_pid", "<i8"), ("epoch", "<u8"), ("names_len", "<u8"), ("draining", "<u8")])
+_HEADER = np.dtype(
+    [("magic", "<u8"), ("supervisor_pid", "<i8"), ("epoch", "<u8"), ("names_len", "<u8"), ("draining", "<u8"), ("shadow", "<u8")]
+)
 SLOT = np.dtype(
     [
         ("pid", "<i8"),
@@ -53,6 +55,15 @@ class ActorState(IntEnum):
     READY = 1
     STOPPING = 2
     DOWN = 3  # exited (or its group is going down), set by the supervisor until the restart
+
+
+class ShadowState(IntEnum):
+    """The shadow server's (actors.shadow), as the supervisor that runs it sees it."""
+
+    NONE = 0  # the server runs none
+    STARTING = 1
+    READY = 2  # every actor of it is ready: api workers mirror requests to it
+    FAILED = 3  # it exited while this server runs; it is not started again
 
 
 class ControlBlock:
@@ -100,6 +111,15 @@ class ControlBlock:
     @draining.setter
     def draining(self, value: bool) -> None:
         self._header["draining"] = int(value)
+
+    @property
+    def shadow(self) -> ShadowState:
+        """Set by the supervisor: the shadow server's state."""
+        return ShadowState(int(self._header["shadow"]))
+
+    @shadow.setter
+    def shadow(self, value: ShadowState) -> None:
+        self._header["shadow"] = int(value)
 
     @property
     def supervisor_pid(self) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,7 +21,7 @@ from typing import Any
 import orjson
 
 from actors.gauges import ApiGauge
-from actors.topology import DEFAULT_PORT, ActorSpec, Edge, Topology
+from actors.topology import DEFAULT_PORT, ActorSpec, Edge, ShadowSpec, Topology
 from api.chat_output import (
     DEFAULT_TOOL_CALL_PARSER,
     HARMONY,
@@ -36,6 +37,8 @@ from runtime.scheduler.router import POLICIES
 from transport import env
 
 TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto",)  # AutoTokenizer, and torch with it
+# what a shadow's flags may not set: it listens on 127.0.0.1, on a port of its own, without keys, on one node
+SHADOW_REFUSED = ("--port", "--host", "--api-key", "--shadow-engine", "--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr")
 
 
 def _prefixes(text: str) -> tuple[str | list[int], ...]:
@@ -188,6 +191,19 @@ class ServeConfig(CliConfig):
             show=lambda prefixes: orjson.dumps(prefixes).decode(),
         ),
     )
+    shadow_engine: str | None = field(
+        default=None,
+        metadata=flag(
+            "run a second server beside this one, with this one's flags and FLAGS on top (one string, split as a shell "
+            "would; --shadow-engine=--flag when it is one word), and send it a sample of the answered requests again: "
+            "each divergence from the live answer is logged, nothing it answers is served (docs/golden.md)",
+            metavar="FLAGS",
+        ),
+    )
+    shadow_fraction: float = field(
+        default=0.1,
+        metadata=flag("the share of its answered requests each api worker sends to the --shadow-engine server, from 0 to 1", metavar="F"),
+    )
     # `ringllm serve` turns it off on CPU where /dev/shm has no room for the pool
     shared_kv_pool: bool = field(
         default=True,
@@ -216,6 +232,7 @@ class ServeConfig(CliConfig):
         if not self.stats_interval > 0:
             raise ValueError(f"stats_interval must be more than 0 seconds, not {self.stats_interval}")
         self._check_nodes()
+        self._check_shadow()
         if self.dp_policy not in POLICIES:
             raise ValueError(f"dp_policy must be one of {', '.join(POLICIES)}, not {self.dp_policy!r}")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
@@ -246,6 +263,24 @@ class ServeConfig(CliConfig):
             raise ValueError("replicas do not span nodes: run one server per replica behind `ringllm router`")
         if self.engine.pd:
             raise ValueError("prefill-decode disaggregation runs on one node")
+
+    def _check_shadow(self) -> None:
+        if not 0 <= self.shadow_fraction <= 1:
+            raise ValueError(f"shadow_fraction must be from 0 to 1, not {self.shadow_fraction}")
+        if self.shadow_engine is None:
+            return
+        if self.nnodes > 1:
+            raise ValueError("a shadow engine runs beside a server of one node")
+        try:
+            words = shlex.split(self.shadow_engine)
+        except ValueError as exc:
+            raise ValueError(f"shadow_engine is not a command line: {exc}") from None
+        for word in words:  # a flag's abbreviation too, which argparse would take for it
+            name = word.partition("=")[0]
+            if name.startswith("--") and len(name) > 2 and any(refused.startswith(name) for refused in SHADOW_REFUSED):
+                raise ValueError(
+                    f"shadow_engine may not set {name}: the shadow listens on 127.0.0.1, on a port of its own, without keys, on one node"
+                )
 
     def _name_parsers(self) -> None:
         """Each parser by its one name (vLLM's spellings are read as SGLang's). Harmony is one format whose reasoning
@@ -391,9 +426,10 @@ def _engines(config: ServeConfig, replica: int) -> list[ActorSpec]:
     ]
 
 
-def pipeline(config: ServeConfig) -> Topology:
+def pipeline(config: ServeConfig, shadow: ShadowSpec | None = None) -> Topology:
     """The actors of this node: on node 0 (or the only one) the whole pipeline; on every other node of a group
-    spanning machines its engine ranks alone, which rank 0 feeds (actors.relay)."""
+    spanning machines its engine ranks alone, which rank 0 feeds (actors.relay). `shadow`: the server the
+    supervisor runs beside it (actors.shadow), to which the api workers send their sample."""
     meeting = config.dist_init_addr if config.nnodes > 1 else None
     if config.node_rank > 0:
         return Topology(str(config.port), tuple(_engines(config, 0)), meeting=meeting, node_rank=config.node_rank)
@@ -424,7 +460,14 @@ def pipeline(config: ServeConfig) -> Topology:
         ActorSpec("detokenizer", "detokenizer", "actors.detokenizer:DetokenizerActor", options, keeps_epoch=True, **text_actor),
         *(
             # its death ends its own connections; the schedulers drop its requests, nobody else replays
-            ActorSpec(name, "api", "actors.api_worker:ApiWorker", {**options, "worker": i}, drain_gauge=ApiGauge.LIVE, keeps_epoch=True)
+            ActorSpec(
+                name,
+                "api",
+                "actors.api_worker:ApiWorker",
+                {**options, "worker": i, "shadow": shadow},
+                drain_gauge=ApiGauge.LIVE,
+                keeps_epoch=True,
+            )
             for i, name in enumerate(workers)
         ),
     )
@@ -434,4 +477,4 @@ def pipeline(config: ServeConfig) -> Topology:
         for name in (kv_pool_segment(config, r), kv_host_segment(config, r), keeper_socket(r))
         if name is not None
     )
-    return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept, meeting=meeting)
+    return Topology(server=str(config.port), actors=actors, edges=tuple(edges), kept=kept, meeting=meeting, shadow=shadow)

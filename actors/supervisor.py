@@ -17,6 +17,9 @@ subreaper: a forkserver's death takes none with it, and another forkserver start
 
 A group that spans machines (Topology.meeting) has a supervisor on each; they agree on its starts
 through node 0's store (actors.nodes).
+
+A shadow server (Topology.shadow, actors.shadow) starts once every actor is ready and stops with them; it is
+watched but never restarted.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import signal
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait as wait_any
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import structlog
 
@@ -47,7 +50,11 @@ from transport.ring import Ring
 from transport.segment import SHM_DIR, list_segments, remove_segments, unlink_segment
 from transport.wakeup import Doorbell
 
+if TYPE_CHECKING:
+    from actors.shadow import ShadowProcess
+
 log = structlog.get_logger()
+SHADOW_STOP_MARGIN_S = 10.0  # beyond its stop timeout, seconds a shadow server may take to stop before it is killed
 
 
 @dataclass(frozen=True)
@@ -134,6 +141,7 @@ class Supervisor:
         self._drain_until: float | None = None  # set by SIGTERM: new requests are refused until then
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._control: ControlBlock | None = None
+        self._shadow: ShadowProcess | None = None
         self._rings: dict[tuple[str, str], Ring] = {}
         self._doorbells: list[Doorbell] = []
 
@@ -196,6 +204,10 @@ class Supervisor:
         for spec in self.topology.actors:  # each actor's count exported at 0 from the start, as Prometheus advises
             metrics().restarts.labels(spec.name)
         self._control = ControlBlock.create(self.topology)
+        if self.topology.shadow is not None:
+            from actors.shadow import ShadowProcess  # its HTTP client and the serving config only where it runs
+
+            self._shadow = ShadowProcess(self.topology.shadow, self._control)
         if (meeting := self.topology.meeting) is not None:
             self._nodes = GroupStore(meeting, self.topology.node_rank, self._group_starts, self.config.ready_timeout_s)
             self._group_starts = {group: self._nodes.start(group) for group in self._group_starts}
@@ -211,6 +223,8 @@ class Supervisor:
             if spec.spare:
                 self._schedule_spare(index, self.config.spare_settle_s)
         log.info("topology_ready", server=self.topology.server, actors=len(self._procs))
+        if self._shadow is not None:  # only now: it would slow this server's start down
+            self._shadow.start()
 
     def _sweep_stale(self) -> None:
         try:
@@ -267,6 +281,8 @@ class Supervisor:
                 log.warning("forkserver_exited", exitcode=forkserver.exitcode)
                 self._forkserver.start()  # the next spawn waits less for its imports; no actor died with it
         self._drain_wakeups()
+        if self._shadow is not None:  # reaped here if it exited, before the strays
+            self._shadow.poll()
         self._reap_strays()
 
     def _start_due(self) -> None:
@@ -287,6 +303,8 @@ class Supervisor:
         owned = {proc.pid for proc in self._procs.values()} | {spare.proc.pid for spare in self._spares.values()}
         if self._forkserver.proc is not None:
             owned.add(self._forkserver.proc.pid)
+        if self._shadow is not None and self._shadow.pid is not None:
+            owned.add(self._shadow.pid)
         while True:
             try:
                 found = os.waitid(os.P_ALL, 0, os.WEXITED | os.WNOHANG | os.WNOWAIT)
@@ -301,6 +319,8 @@ class Supervisor:
         self._stopping = True
         if self._control is None:  # nothing was created (another server owns the port)
             return
+        if self._shadow is not None:  # it stops alongside this server's actors
+            self._shadow.interrupt()
         self._restart_at.clear()
         self._spare_at.clear()
         for spare in self._spares.values():
@@ -321,6 +341,8 @@ class Supervisor:
                     proc.join()
                 proc.close()
         self._procs.clear()
+        if self._shadow is not None:  # its own stop waits as long for its actors, and a moment more
+            self._shadow.join(self.config.stop_timeout_s + SHADOW_STOP_MARGIN_S)
         self._forkserver.stop()
         self._reap_strays()
         for ring in self._rings.values():

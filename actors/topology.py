@@ -51,6 +51,20 @@ class Edge:
 
 
 @dataclass(frozen=True)
+class ShadowSpec:
+    """A second, complete server the supervisor runs beside this one (actors.shadow): started once every actor is
+    ready, stopped with them, never restarted."""
+
+    command: tuple[str, ...]  # its `ringllm serve` command line
+    port: int  # on 127.0.0.1; it also names its segments
+    log: str  # the file its output goes to
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@dataclass(frozen=True)
 class Topology:
     server: str  # the port it serves on; every segment name carries it
     actors: tuple[ActorSpec, ...]
@@ -59,6 +73,7 @@ class Topology:
     # HOST:PORT where the supervisors of the nodes a group spans agree on its starts (actors.nodes); None: one node
     meeting: str | None = None
     node_rank: int = 0  # this node's place among them: node 0 leads
+    shadow: ShadowSpec | None = None
 
     def __post_init__(self) -> None:
         names = [a.name for a in self.actors]

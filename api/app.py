@@ -8,11 +8,12 @@ import hmac
 import importlib.metadata
 import ipaddress
 import itertools
+import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, cast
 
 import orjson
 import structlog
@@ -94,6 +95,11 @@ class Gateway(Protocol):
         ...
 
     def server_info(self) -> dict: ...
+
+    def answered(self, rid: str, body: dict, choices: list[dict]) -> None:
+        """A request answered in full, its response sent: `body` is the client's with the seed it sampled with,
+        `choices` each choice's index, token ids and finish reason (a shadow server may be asked the same)."""
+        ...
 
 
 def _json(body: dict, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
@@ -220,7 +226,8 @@ class Inbox(asyncio.Queue):
 class ChoiceState:
     index: int
     trace: str  # the id its log lines carry: the request's, with "/index" when it has several choices
-    # the whole choice's text, ids and logprobs, kept for an answer sent whole (a stream sends each delta on)
+    # the whole choice's text and logprobs, kept for an answer sent whole (a stream sends each delta on); its ids, kept
+    # for either (Gateway.answered)
     text: list[str] = field(default_factory=list)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
@@ -346,7 +353,10 @@ class Handlers:
 
     async def _complete(self, request: web.Request, chat: bool) -> web.StreamResponse:
         arrived = time.monotonic()
-        c = parse(await self._body(request), chat, self.gateway.served_model, self.gateway.limits())
+        body = await self._body(request)
+        c = parse(body, chat, self.gateway.served_model, self.gateway.limits())
+        if c.params.seed is None:  # one for the request, as a client's seed: its choices sample from it, and a copy again
+            c.params = replace(c.params, seed=random.getrandbits(63))
         rid = self._request_id(request, c)
         client, key = self._client(request)
         if self.gateway.cache_salt_by_key and key is not None:  # the key's own namespace, the request's salt within it
@@ -387,10 +397,20 @@ class Handlers:
                     state = ChoiceState(index, trace, output=self._chat_output(c) if c.stream else None)
                     choices[await self.gateway.submit(meta, prompt.get("ids"), inbox, client)] = state
             if c.stream:
-                return await self._stream(request, c, inbox, choices, clock)
-            while any(s.finish is None for s in choices.values()):
-                self._absorb(c, await inbox.get(), choices, clock)
-            return _json(self._whole(c, choices), headers={"X-Request-Id": rid})
+                response = await self._stream(request, c, inbox, choices, clock)
+            else:
+                while any(s.finish is None for s in choices.values()):
+                    self._absorb(c, await inbox.get(), choices, clock)
+                response = _json(self._whole(c, choices), headers={"X-Request-Id": rid})
+                await response.prepare(request)  # sent before anything else is done for it
+                await response.write_eof()
+            states = choices.values()
+            if all(s.finish is not None for s in states):  # a stream that failed or lost its client is not
+                answered = [
+                    {"index": s.index, "token_ids": s.token_ids, "logprobs": [], "finish_reason": s.finish} for s in choices.values()
+                ]
+                self.gateway.answered(rid, {**cast("dict", body), "seed": c.params.seed}, answered)  # parse took only a dict
+            return response
         except ApiError as exc:
             log.info("failed", rid=rid, status=exc.status, error=exc.message)
             raise
@@ -407,9 +427,9 @@ class Handlers:
         if state.prompt is None and "prompt" in delta:  # with the first tokens (again after a replay: kept once)
             state.prompt = delta["prompt"]
             state.token_chars += sum(len(e["token"]) for e in _echoed(c, state)[1])
+        state.token_ids += delta["token_ids"]
         if not c.stream:
             state.text.append(delta["text"])
-            state.token_ids += delta["token_ids"]
             state.logprobs += delta.get("logprobs", [])
         state.generated += len(delta["token_ids"])
         state.token_chars += sum(len(e["token"]) for e in delta.get("logprobs", []))

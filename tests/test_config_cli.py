@@ -58,7 +58,8 @@ ALONE = {"deterministic": True, "standby_engine": True, "quantization": None, "k
 ALONE |= {"enable_prefix_cache": True, "hierarchical_cache": True, "hicache_ratio": 3.0, "hicache_size": 4.0}
 ALONE |= {"hicache_write_policy": "write_back", "hicache_storage_backend": "file", "hicache_storage_dir": "/var/kv"}
 ALONE |= {"speculative_algorithm": "STANDALONE", "speculative_draft_model_path": "/models/draft"}
-NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000"}  # a second node of a group
+# a second node of a group (a shadow runs beside a server of one node)
+NODE = {"data_parallel_size": 1, "nnodes": 2, "node_rank": 1, "dist_init_addr": "10.0.0.1:5000", "shadow_engine": None}
 # prefill-decode disaggregation: one replica over kept pools, one rank a side, without speculation
 PD = {"pd": True, "tensor_parallel_size": 1, "speculative_algorithm": None, "speculative_num_steps": None}
 # LoRA adapters, without speculation
@@ -91,6 +92,8 @@ SERVE = {
     "warm_prefixes": ("a system prompt", [1, 2, 3]),
     "warm_spares": False,
     "shared_kv_pool": False,
+    "shadow_engine": "--dtype bfloat16 --override-generation-config '{\"temperature\": 0.5}'",
+    "shadow_fraction": 0.5,
 }
 
 

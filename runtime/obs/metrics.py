@@ -140,6 +140,12 @@ class Metrics:
         self.slow_client_aborts = Counter(
             "ringllm:slow_client_aborts", "Streams aborted because their client fell behind reading them.", ()
         )
+        self.shadow_requests = Counter(
+            "ringllm:shadow_requests",
+            "Answered requests sampled for the shadow server (--shadow-engine), by outcome: its answer matched, diverged, "
+            "failed, or it was skipped (the shadow not ready, or too many under way).",
+            ("outcome",),
+        )
         self.ring_occupancy = Gauge(
             "ringllm:ring_occupancy", "Share of a ring's bytes written and not yet read.", ("edge",), multiprocess_mode="mostrecent"
         )
