@@ -260,8 +260,9 @@ async def _chaos_round(
             await asyncio.sleep(0.005)
         if burst_gap is not None:  # the replacement dies too, `burst_gap` s after the first death
             await asyncio.sleep(max(0.0, killed_at + burst_gap - time.monotonic()))
-            victim = next(p for p in server.actors()[kind] if p not in before)
-            os.kill(victim, sig)
+            while not (replacements := [p for p in server.actors()[kind] if p not in before and p > 0]):  # a cold start's pid
+                await asyncio.sleep(0.005)
+            os.kill(replacements[0], sig)
             while server.restarts(kind) == restarts + 1:
                 await asyncio.sleep(0.005)
         kill_times.append((killed_at, time.monotonic()))
