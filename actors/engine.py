@@ -263,6 +263,7 @@ class EngineActor(Actor):
                 self.synced, self.held = True, []  # a step changes the pool: what it held is the slots' now
                 if not self.in_flight:
                     self.slot["gauges"][EngineGauge.PROGRESS] = time.monotonic()
+                self.slot["gauges"][EngineGauge.LAUNCHED] = plan.step
                 launched = time.monotonic()  # before: on CPU, launch does the whole step
                 try:
                     pending = self.engine.launch(plan)

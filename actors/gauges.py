@@ -22,6 +22,7 @@ class EngineGauge(IntEnum):
     POOL = 0  # the KV pool in pages: the scheduler's page table is sized from it
     HOST_POOL = 2  # the host KV tier in pages (--enable-hierarchical-cache), sized with the pool
     PROGRESS = PROGRESS_GAUGE
+    LAUNCHED = 3  # the last step it began to launch: a crash blames only a step its engine ran (Scheduler.after_crash)
 
 
 class SchedulerGauge(IntEnum):

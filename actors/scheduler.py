@@ -313,7 +313,8 @@ class SchedulerActor(Actor):
         log.info("engine_resync", role=role, running=len(core.running), lost_steps=list(self.in_flight[role]))
         if role in self._engines_crashed:  # a query of death is run alone, then ended
             self._engines_crashed.discard(role)
-            await self._end_crashed(core.after_crash(list(self.in_flight[role].values())))
+            launched = int(self.control.slots[self._engine_slots[role]]["gauges"][EngineGauge.LAUNCHED])  # the dead one's
+            await self._end_crashed(core.after_crash(list(self.in_flight[role].values()), launched))
         self.in_flight[role].clear()
         core.reopen()
         if self.pair is not None and role == "decode":  # copies it may not have run: the prefill side lets go of them

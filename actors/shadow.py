@@ -41,6 +41,7 @@ from api.traces import compare, complete, whole
 from runtime.obs.metrics import MULTIPROC_ENV, metrics
 from transport import env
 from transport.lifetime import on_parent_death
+from transport.segment import remove_segments, server_prefix
 
 log = structlog.get_logger()
 MIRRORS_IN_FLIGHT = 4  # an api worker's requests to the shadow at once; a sampled request beyond them is skipped
@@ -75,15 +76,20 @@ class ShadowProcess:
         """In its own session (a terminal's Ctrl-C is the live server's to pass on), without the live server's key
         and metrics folder, stopped by SIGINT if this process dies."""
         hidden = (env.API_KEY, MULTIPROC_ENV)
-        with open(self.spec.log, "wb") as out:
-            self.proc = subprocess.Popen(
-                self.spec.command,
-                stdout=out,
-                stderr=subprocess.STDOUT,
-                env={key: value for key, value in os.environ.items() if key not in hidden},
-                start_new_session=True,
-                preexec_fn=functools.partial(on_parent_death, signal.SIGINT),
-            )
+        try:
+            with open(self.spec.log, "wb") as out:
+                self.proc = subprocess.Popen(
+                    self.spec.command,
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    env={key: value for key, value in os.environ.items() if key not in hidden},
+                    start_new_session=True,
+                    preexec_fn=functools.partial(on_parent_death, signal.SIGINT),
+                )
+        except OSError as exc:  # its log not writable (another user's, say): the live server runs on without it
+            self.control.shadow = ShadowState.FAILED
+            log.error("shadow_failed", error=str(exc), log=self.spec.log)
+            return
         self.control.shadow = ShadowState.STARTING
         log.info("shadow_starting", pid=self.proc.pid, url=self.spec.url, log=self.spec.log, command=shlex.join(self.spec.command))
 
@@ -98,6 +104,7 @@ class ShadowProcess:
             return
         if (code := self.proc.poll()) is not None:
             self.control.shadow = ShadowState.FAILED
+            remove_segments(server_prefix(str(self.spec.port)))  # what a shadow that died uncleanly left in /dev/shm
             log.error("shadow_failed", exitcode=code, log=self.spec.log, output=_tail(Path(self.spec.log)))
         elif self.control.shadow == ShadowState.STARTING and self._ready():
             self.control.shadow = ShadowState.READY
@@ -130,12 +137,16 @@ class ShadowProcess:
             log.warning("shadow_killed_at_stop", pid=self.proc.pid)
             self.proc.kill()
             self.proc.wait()
+        remove_segments(server_prefix(str(self.spec.port)))  # none where it stopped cleanly
 
 
 def _tail(path: Path) -> str:
-    with open(path, "rb") as out:
-        out.seek(max(0, out.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
-        return out.read().decode(errors="replace")
+    try:
+        with open(path, "rb") as out:
+            out.seek(max(0, out.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+            return out.read().decode(errors="replace")
+    except OSError as exc:  # removed meanwhile
+        return f"(its log cannot be read: {exc})"
 
 
 class Mirror:

@@ -355,7 +355,8 @@ class Handlers:
         arrived = time.monotonic()
         body = await self._body(request)
         c = parse(body, chat, self.gateway.served_model, self.gateway.limits())
-        if c.params.seed is None:  # one for the request, as a client's seed: its choices sample from it, and a copy again
+        picked = c.params.seed is None  # then one for the request: its choices sample from it, and a copy again
+        if picked:
             c.params = replace(c.params, seed=random.getrandbits(63))
         rid = self._request_id(request, c)
         client, key = self._client(request)
@@ -375,8 +376,10 @@ class Handlers:
         try:
             for p, prompt in enumerate(c.prompts):
                 for j in range(c.n):
+                    # a client's seed: each prompt's choices j as vLLM's; one picked here: every choice its own
                     seed = c.params.seed
-                    params = replace(c.params, seed=None if seed is None else (seed + j) % 2**63)
+                    offset = p * c.n + j if picked else j
+                    params = replace(c.params, seed=None if seed is None else (seed + offset) % 2**63)
                     detok = {
                         "stop": c.stop,
                         "skip_special_tokens": skip_special_tokens,
@@ -402,10 +405,14 @@ class Handlers:
                 while any(s.finish is None for s in choices.values()):
                     self._absorb(c, await inbox.get(), choices, clock)
                 response = _json(self._whole(c, choices), headers={"X-Request-Id": rid})
-                await response.prepare(request)  # sent before anything else is done for it
-                await response.write_eof()
-            states = choices.values()
-            if all(s.finish is not None for s in states):  # a stream that failed or lost its client is not
+                try:  # sent before anything else is done for it
+                    await response.prepare(request)
+                    await response.write_eof()
+                except ConnectionError:  # the client left as it came
+                    return response
+            # a stream that failed or lost its client is not answered; nor, to a copy, several prompts under a seed
+            # picked here (a client's seed numbers each prompt's choices afresh)
+            if all(s.finish is not None for s in choices.values()) and (len(c.prompts) == 1 or not picked):
                 answered = [
                     {"index": s.index, "token_ids": s.token_ids, "logprobs": [], "finish_reason": s.finish} for s in choices.values()
                 ]

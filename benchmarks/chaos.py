@@ -297,7 +297,7 @@ async def _kill_in_start_up(server: Server, kind: str) -> dict:
     while True:
         if server.proc.poll() is not None:
             raise ServerExited(f"the server exited with code {server.proc.returncode} during start-up")
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(FileNotFoundError, ValueError, ProcessLookupError):  # no control block yet, or not filled
             if pids := [p for p in server.actors().get(kind, []) if p > 0]:
                 os.kill(pids[0], signal.SIGKILL)
                 return {"kind": kind, "killed_at_s": round(time.monotonic() - started, 2)}

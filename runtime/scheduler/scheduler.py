@@ -127,9 +127,9 @@ class Scheduler:
         self.incoming: dict[int, list[int]] = {}
         self._imports: dict[int, list[int]] = {}
         self.imported: list[int] = []  # rids whose copies have run (update): the prefill side may release their pages
-        # after a crash of the engine, the requests its lost steps fed (by rid, in order) each run alone until a step
-        # of their own is answered; by step in flight, the request a step runs alone
-        self.quarantine: dict[int, None] = {}
+        # after a crash of the engine, each request its lost steps fed (by rid, in order): how many steps it still runs
+        # alone (one a lost step that fed it); by step in flight, the request a step runs alone
+        self.quarantine: dict[int, int] = {}
         self._solo: dict[int, Request] = {}
 
     def add(self, rid: int, prompt_ids: list[int], params: SamplingParams, generated: Sequence[int] = (), pin: bool = False) -> Request:
@@ -249,10 +249,11 @@ class Scheduler:
                 if request.slot is not None and request.decoding and not self._fully_planned(request) and self._grow(request, 1, plan):
                     self._feed(request, 1, plan)
         if solo is not None:
-            if plan.chunks or plan.decodes:
-                self._solo[plan.step] = solo
-            else:  # it cannot run now: it rejoins the batch rather than hold up every other request
+            if not (plan.chunks or plan.decodes):  # it cannot run now (no pages): it rejoins the batch, the next runs
                 del self.quarantine[solo.rid]
+                self._freed = plan.freed
+                return self.schedule()
+            self._solo[plan.step] = solo
         if not plan:
             self._freed = plan.freed  # sent with the next real step (so are the KV moves queued meanwhile)
             if self.adopted and not self._resync and not self.has_work():  # the replays have come and gone
@@ -274,23 +275,25 @@ class Scheduler:
             del self.quarantine[rid]  # it ended meanwhile
         return None
 
-    def after_crash(self, lost: list[StepPlan]) -> list[Request]:
-        """The engine died of a crash (not of a kill: actors.control.crashed) with these plans unanswered. A request
-        that ran alone in one has crashed it twice, the first time in a batch: it ends with an error (returned), so
-        that the crash loop stops. Every other request they fed is quarantined: it runs alone until a step of its
-        own is answered, so that a second crash names the request that causes it, and only that one."""
+    def after_crash(self, lost: list[StepPlan], launched: int) -> list[Request]:
+        """The engine died of a crash (not of a kill: actors.control.crashed) with these plans unanswered, the last
+        it had begun to launch `launched`. A request that ran alone in a step the dead engine launched has crashed it
+        twice, the first time in a batch: it ends with an error (returned), so that the crash loop stops. Every other
+        request they fed is quarantined: it runs alone, a step for each lost one that fed it, so that a second crash
+        names the request that causes it, and only that one. A solo step the engine never began (it died before,
+        in its start-up, say) blames nobody: its request runs alone again."""
         ended = []
         for plan in lost:
             if (request := self._solo.pop(plan.step, None)) is not None:
-                self.quarantine.pop(request.rid, None)
-                if request in self.running:
-                    request.error, request.crashed, request.finish_reason = CRASHED_TWICE, True, "abort"
-                    self._finish(request)
-                    ended.append(request)
-                continue
-            for slot in [c.slot for c in plan.chunks] + plan.decodes:
-                if (request := self._by_slot.get(slot)) is not None and request.rid not in self.quarantine:
-                    self.quarantine[request.rid] = None
+                if plan.step <= launched:  # the dead engine ran it: the request crashed it alone
+                    self.quarantine.pop(request.rid, None)
+                    if request in self.running:
+                        request.error, request.crashed, request.finish_reason = CRASHED_TWICE, True, "abort"
+                        self._finish(request)
+                        ended.append(request)
+                continue  # else the engine died before it began: the request runs alone again
+            for rid in {r.rid for slot in [c.slot for c in plan.chunks] + plan.decodes if (r := self._by_slot.get(slot))}:
+                self.quarantine[rid] = self.quarantine.get(rid, 0) + 1
         return ended
 
     def _slide(self, request: Request) -> None:
@@ -568,8 +571,10 @@ class Scheduler:
     def update(self, step: int, results: list[Sampled]) -> list[Request]:
         """Record `step`'s tokens (a slot's in order, several after a speculative chunk); returns the requests
         that got any, each once, with `fresh` set to how many."""
-        if (solo := self._solo.pop(step, None)) is not None:  # it ran alone and the engine lived: out of quarantine
-            self.quarantine.pop(solo.rid, None)
+        if (solo := self._solo.pop(step, None)) is not None and solo.rid in self.quarantine:  # it ran alone, the engine lived
+            self.quarantine[solo.rid] -= 1
+            if not self.quarantine[solo.rid]:  # it has run alone past every step lost under it: back to the batch
+                del self.quarantine[solo.rid]
         if self.cache is not None:
             self.cache.answered(step)
         self.imported += self._imports.pop(step, ())
