@@ -480,3 +480,49 @@ def test_a_reopened_prefill_gives_every_prompt_logprob(tiny_model):
     kept.run()
     assert len(request.prompt_logprobs) == len(expected.prompt_logprobs) == len(prompt) - 1
     assert request.output_ids == expected.token_ids
+
+
+def test_after_a_crash_each_fed_request_runs_alone_and_a_repeat_crash_alone_ends_it():
+    """The scheduler core's side of a query of death: two steps in flight die with the engine (a crash), so each
+    request they fed runs alone for two steps, one after another; a solo step the dead engine never began blames
+    nobody; one it began ends its request with the crash's error, and the others run on."""
+    from runtime.config import EngineConfig
+    from runtime.scheduler.scheduler import CRASHED_TWICE, Scheduler
+    from runtime.step import Sampled, StepPlan
+
+    core = Scheduler(EngineConfig(page_size=4, max_prefill_tokens=64), num_pages=64, eos_token_ids=(), max_position=256)
+    for rid in range(3):
+        core.add(rid, [5 + rid] * 6, SamplingParams(max_tokens=20, temperature=0))
+
+    def answer(plan: StepPlan) -> None:
+        core.update(plan.step, [Sampled(slot, 7, None) for slot in [c.slot for c in plan.chunks if c.sample] + plan.decodes])
+
+    def fed(plan: StepPlan) -> set[int]:
+        return {core._by_slot[slot].rid for slot in [c.slot for c in plan.chunks] + plan.decodes}
+
+    answer(core.schedule())  # the prefill
+    lost = [core.schedule(), core.schedule()]  # two decode steps in flight when the engine crashes
+    assert core.after_crash(lost, launched=lost[-1].step) == []
+    core.reopen()
+    assert core.quarantine == {0: 2, 1: 2, 2: 2}
+    alone = []
+    while core.quarantine:
+        plan = core.schedule()
+        alone.append(fed(plan))
+        answer(plan)
+    assert alone == [{0}, {0}, {1}, {1}, {2}, {2}]
+    assert fed(core.schedule()) == {0, 1, 2}  # back in one batch
+
+    lost = [core.schedule()]
+    core.after_crash(lost, launched=lost[0].step)
+    core.reopen()
+    solo = core.schedule()
+    assert fed(solo) == {0}
+    assert core.after_crash([solo], launched=solo.step - 1) == []  # the engine died before it began the step
+    core.reopen()
+    assert 0 in core.quarantine
+    solo = core.schedule()
+    (ended,) = core.after_crash([solo], launched=solo.step)  # it ran alone and the engine died again
+    assert ended.rid == 0 and ended.crashed and ended.error == CRASHED_TWICE and ended.finish_reason == "abort"
+    core.reopen()
+    assert 0 not in core.quarantine and {r.rid for r in core.running} == {1, 2}
