@@ -19,20 +19,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 import orjson
 
 from actors.topology import DEFAULT_PORT
 from api.traces import Divergence, compare, complete, endpoint, whole
-from benchmarks.server import connector, server_config
+from benchmarks.server import bounded, connector, server_config
 from transport import env
 
-T = TypeVar("T")
 DEFAULT_CONCURRENCY = 8
 REQUEST_TIMEOUT_S = 600
 # A recorded trace is exact under deterministic inference: the same build and configuration give the same bits, and
@@ -54,17 +52,6 @@ def samples_unseeded(body: dict[str, Any]) -> bool:
     """It may sample (its temperature is not 0, or left to the server) without a seed: the server draws one per
     request, so a replay cannot repeat it."""
     return body.get("seed") is None and body.get("temperature") != 0 and body.get("top_k") != 1
-
-
-async def bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Every job's result, in order, at most `concurrency` running at once."""
-    gate = asyncio.Semaphore(concurrency)
-
-    async def one(job: Callable[[], Awaitable[T]]) -> T:
-        async with gate:
-            return await job()
-
-    return await asyncio.gather(*(one(job) for job in jobs))
 
 
 def session() -> aiohttp.ClientSession:

@@ -25,6 +25,8 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 
 import aiohttp
@@ -32,7 +34,7 @@ import torch
 from safetensors.torch import save_file
 
 from benchmarks.provenance import machine, provenance
-from benchmarks.server import connector, emit, free_port, server_config, start_server, stop_server, wait_healthy
+from benchmarks.server import bounded, connector, emit, free_port, server_config, start_server, stop_server, wait_healthy
 from runtime.config import LORA_TARGETS, ModelConfig
 
 SINGLE_REPEATS = 3
@@ -84,15 +86,13 @@ async def _load(http: aiohttp.ClientSession, args: argparse.Namespace, models: l
     """The workload at most --concurrency at once, request i naming models[i % len(models)]; then one request."""
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(100, 20_000) for _ in range(args.prompt_tokens)] for _ in range(args.requests)]
-    gate = asyncio.Semaphore(args.concurrency)
 
-    async def one(index: int) -> int:
-        async with gate:
-            return await _completion(http, models[index % len(models)], prompts[index], args.output_tokens)
+    def jobs(count: int) -> list[Callable[[], Awaitable[int]]]:
+        return [partial(_completion, http, models[i % len(models)], prompts[i], args.output_tokens) for i in range(count)]
 
-    await asyncio.gather(*(one(i) for i in range(min(args.concurrency, args.requests))))  # warm-up
+    await bounded(args.concurrency, jobs(min(args.concurrency, args.requests)))  # warm-up
     started = time.monotonic()
-    produced = sum(await asyncio.gather(*(one(i) for i in range(args.requests))))
+    produced = sum(await bounded(args.concurrency, jobs(args.requests)))
     throughput = produced / (time.monotonic() - started)
     singles = []
     for repeat in range(SINGLE_REPEATS):

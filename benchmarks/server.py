@@ -12,8 +12,9 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import aiohttp
 import orjson
@@ -21,6 +22,7 @@ import orjson
 from actors.pipeline import ServeConfig
 from transport.lifetime import on_parent_death
 
+T = TypeVar("T")
 API_WORKERS = 2  # of a server a benchmark starts, unless told otherwise (`ringllm serve` alone starts one)
 
 
@@ -89,6 +91,17 @@ async def start_streams(
         load.append(asyncio.create_task(steady_stream(http, i, until, per_stream[i])))
         await asyncio.sleep(stagger)
     return load
+
+
+async def bounded(concurrency: int, jobs: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Every job's result, in order, at most `concurrency` running at once."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(job: Callable[[], Awaitable[T]]) -> T:
+        async with gate:
+            return await job()
+
+    return await asyncio.gather(*(one(job) for job in jobs))
 
 
 def free_port() -> int:

@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Awaitable, Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -43,7 +44,7 @@ import aiohttp
 from benchmarks import write_result
 from benchmarks.offline import versions
 from benchmarks.provenance import provenance
-from benchmarks.server import connector, free_port, sse_events, start_server, stop_server, wait_healthy
+from benchmarks.server import bounded, connector, free_port, sse_events, start_server, stop_server, wait_healthy
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase as Tokenizer
@@ -76,14 +77,8 @@ def prompts(tokenizer: Tokenizer, count: int, seed: int) -> dict[str, list[Messa
 
 async def size_round(one: OneRequest, batch: list[Messages], max_tokens: int) -> tuple[float, int, float]:
     """`batch` at CONCURRENCY (a closed loop); -> (mean prompt tokens, tokens generated, seconds)."""
-    gate = asyncio.Semaphore(CONCURRENCY)
-
-    async def gated(messages: Messages) -> tuple[int, int]:
-        async with gate:
-            return await one(messages, max_tokens)
-
     started = time.perf_counter()
-    counts = await asyncio.gather(*(gated(m) for m in batch))
+    counts = await bounded(CONCURRENCY, [partial(one, messages, max_tokens) for messages in batch])
     seconds = time.perf_counter() - started
     if wrong := [n for _, n in counts if n != max_tokens]:
         raise RuntimeError(f"asked {max_tokens} tokens per request, got {wrong}")
