@@ -411,7 +411,7 @@ def _engines(config: ServeConfig, replica: int) -> list[ActorSpec]:
             "actors.engine:EngineActor",
             {"serve": config, "replica": replica, "rank": rank, "scheduler": unit_scheduler(config, replica)},
             torch_threads=True,
-            # on CPU its own modules too (a cold restart skips a second of imports); on a GPU torch alone, since a
+            # on CPU its own modules too (a cold restart skips importing them); on a GPU torch alone, since a
             # forked child cannot use CUDA that an import (flashinfer's, sgl-kernel's) set up in the forkserver
             preload=("torch", "actors.engine") if config.engine.device == "cpu" else ("torch",),
             watchdog_s=config.watchdog_timeout,
