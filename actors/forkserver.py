@@ -198,6 +198,8 @@ def main(fd: int, supervisor: int, preload: list[str]) -> None:
     for module in preload:
         try:
             __import__(module)
+        except ModuleNotFoundError:  # a preload this version of a library does not have
+            pass
         except Exception:  # the actor that needs it meets the error again, and reports it as its own
             traceback.print_exc()
     freeze_startup_heap()  # each actor's own freeze then collects only what it made after the fork

@@ -36,7 +36,10 @@ from runtime.scheduler.disaggregated import ROLES
 from runtime.scheduler.router import POLICIES
 from transport import env
 
-TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto",)  # AutoTokenizer, and torch with it
+# AutoTokenizer (and torch with it), and what a model's config class imports when AutoTokenizer reads it:
+# transformers' image and video utilities and, through them, accelerate and sympy. A transformers without
+# that module (before 5) leaves the forkserver to skip it.
+TOKENIZER_MODULES = ("transformers.models.auto.tokenization_auto", "transformers.utils.type_validators")
 # what a shadow's flags may not set: it listens on 127.0.0.1, on a port of its own, without keys, on one node
 SHADOW_REFUSED = ("--port", "--host", "--api-key", "--shadow-engine", "--nnodes", "--node-rank", "--dist-init-addr", "--nccl-init-addr")
 
