@@ -780,6 +780,11 @@ class EngineConfig(CliConfig):
             return 0
         return int(self.hicache_size * 1e9 // page_bytes) if self.hicache_size else int(self.hicache_ratio * device_pages)
 
+    @property
+    def default_max_tokens(self) -> int | None:
+        """--override-generation-config's max_tokens: the most a request that leaves max_tokens out draws."""
+        return dict(self.override_generation_config).get("max_tokens")
+
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
 

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 
+from api.errors import ApiError
 from runtime import LLM, SamplingParams
 from runtime.batch import AttentionMeta
 from tests.conftest import KeptPool
@@ -352,6 +353,28 @@ def test_a_plan_carries_a_bounded_history_however_many_slots_it_could_open(monke
         opened.append(len(plan.new_slots))
         assert sum(len(n.prompt_ids) + len(n.output_ids) for n in plan.new_slots) <= 250
     assert opened[:6] == [2] * 6 and sum(opened) == 12
+
+
+def test_a_servers_default_max_tokens_is_capped_by_the_context_not_refused():
+    """--override-generation-config's max_tokens is what a request that leaves max_tokens out draws at most,
+    within what its prompt leaves of the context (vLLM's rule), and never a 400 about a field it did not send."""
+    from api.protocol import Limits, parse
+    from runtime.config import EngineConfig
+    from runtime.scheduler.scheduler import Scheduler
+
+    config = EngineConfig(page_size=4, max_prefill_tokens=64, override_generation_config={"max_tokens": 40, "temperature": 0.5})
+    limits = Limits(100, 1000, 0, sampling_defaults=config.override_generation_config)
+    scheduler = Scheduler(config, num_pages=64, eos_token_ids=(), max_position=100)
+    for prompt, drawn in [(list(range(10)), 40), (list(range(90)), 10)]:
+        for chat in (False, True):
+            body = {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": prompt}
+            params = parse(body, chat, "m", limits).params
+            assert params.max_tokens is None and params.temperature == 0.5
+            assert scheduler.add(len(scheduler.waiting), prompt, params).params.max_tokens == drawn
+    asked = parse({"prompt": list(range(90)), "max_tokens": 10}, False, "m", limits)  # the client's own is still checked
+    assert asked.params.max_tokens == 10
+    with pytest.raises(ApiError, match="maximum context length is 100 tokens"):
+        parse({"prompt": list(range(90)), "max_tokens": 11}, False, "m", limits)
 
 
 def test_float32_on_cuda_runs_torch_attention_or_is_refused():

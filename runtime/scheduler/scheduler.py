@@ -142,8 +142,9 @@ class Scheduler:
             raise ValueError(f"the prompt has {len(prompt_ids)} tokens; the context holds {self.max_position}")
         if self.config.pages_for(len(prompt_ids) + 1) > self.allocator.num_pages:
             raise ValueError(f"the prompt needs more KV pages than the pool has ({self.allocator.num_pages})")
-        if params.max_tokens is None:  # the rest of the context, as vLLM does
-            params = replace(params, max_tokens=self.max_position - len(prompt_ids))
+        if params.max_tokens is None:  # the rest of the context, within the server's default, as vLLM does
+            room = self.max_position - len(prompt_ids)
+            params = replace(params, max_tokens=min(room, self.config.default_max_tokens or room))
         if self.long_rope_from is not None and len(prompt_ids) > self.long_rope_from:  # LongRoPE's long factors at every
             params = replace(params, cache_salt=f"{params.cache_salt or ''}{LONG_ROPE_SALT}")  # position: KV of its own
         if params.lora is not None:  # KV computed through an adapter is the adapter's: its prefixes are cached apart
