@@ -30,9 +30,9 @@ JOBS ?= 2
 test: venv lint
 	$(PY) -m pytest -q -n $(JOBS) --dist loadfile --no-loadscope-reorder --durations=25
 
-# What `make test` runs less the slow and the GPU tests: every layer (ring, scheduler, engine, radix
-# cache, router, parity, one server) in about a minute. One torch thread: the tiny models gain nothing
-# from more, and on a busy machine threads that spin for each other make every op many times slower.
+# What `make test` runs less the slow and the GPU tests: every layer (ring, scheduler, engine, radix cache,
+# router, parity, one server) in about a quarter of `make test`'s time. One torch thread: the tiny models gain
+# nothing from more, and on a busy machine threads that spin for each other make every op many times slower.
 test-fast: venv lint
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow and not gpu"
 

@@ -54,6 +54,7 @@ def server_metrics(server) -> dict[str, float]:
     }
 
 
+@pytest.mark.slow
 def test_serve_pd_gives_colocated_tokens_and_survives_either_engines_death(model, smollm2, tmp_path):
     served = with_tokenizer(model, smollm2, tmp_path / "model")
     colocated = LLM(served, **SPLIT)
@@ -97,6 +98,7 @@ def test_a_model_with_sliding_windows_is_refused(tiny_model):
         LLM(tiny_model("mistral_window"), pd=True)
 
 
+@pytest.mark.slow
 def test_a_grammar_holds_across_the_handover(smollm2):
     """A request held to a schema draws its first token under the grammar on the prefill engine and the rest on the
     decode engine, whose grammar goes on from that token: the same JSON as one engine gives."""

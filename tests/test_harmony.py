@@ -178,13 +178,13 @@ TINY |= {"num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "ma
 MARKERS_FIRST = {str(VOCAB + i): 100 for i in range(len(MARKERS))}
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(scope="module")
 def harmony(smollm2, tmp_path_factory) -> Iterator[Server]:
     """A tiny Llama of random weights (--dummy-weights: no checkpoint to write) over SmolLM2's vocabulary, with
     harmony's markers added as special tokens, <|call|> and <|return|> its stop tokens (as GPT-OSS's generation
-    config has them) and a harmony chat template, served with vLLM's names for the parsers. It starts before the
-    module's first test, and the parser's tests run while it comes up: they begin once its shared-memory segments
-    are made (the supervisor starts its forkserver after them), so the leak guard counts them as the module's."""
+    config has them) and a harmony chat template, served with vLLM's names for the parsers. The first test to ask
+    for it waits only for its shared-memory segments (the supervisor starts its forkserver after them), so that the
+    leak guard counts them as the module's; `client` waits for it to be ready."""
     from tokenizers import AddedToken, Tokenizer
 
     model = tmp_path_factory.mktemp("harmony")
@@ -210,6 +210,7 @@ def client(server: Server) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="none", max_retries=0)
 
 
+@pytest.mark.slow
 def test_reasoning_a_preamble_and_a_call_come_apart_whole_and_streamed_without_markers(harmony):
     """The model writes the markers as special tokens; the detokenizer keeps them for the parser, which keeps them
     from the client."""
@@ -235,6 +236,7 @@ def test_reasoning_a_preamble_and_a_call_come_apart_whole_and_streamed_without_m
     assert (reasoning, content, arguments) == (message.reasoning_content, message.content, call.function.arguments)
 
 
+@pytest.mark.slow
 def test_a_forced_call_is_written_in_harmony(harmony):
     """The grammar of a named tool choice holds the model to the call (after its reasoning, if it reasons), and
     <|call|>, a stop token, ends it."""
@@ -244,6 +246,7 @@ def test_a_forced_call_is_written_in_harmony(harmony):
     assert answer.finish_reason == "tool_calls" and call.function.name == "add" and 1 <= orjson.loads(call.function.arguments)["a"] <= 9
 
 
+@pytest.mark.slow
 def test_the_reasoning_effort_and_earlier_reasoning_reach_the_template(harmony):
     """The prompt as the server encoded it (its tokens' text, from prompt_logprobs) is the template's, with the effort
     and the assistant's reasoning as `thinking`."""

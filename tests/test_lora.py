@@ -209,6 +209,7 @@ def peft_greedy(model_dir: Path, prompt: list[int], tokens: int) -> list[int]:
     return model.generate(torch.tensor([prompt]), max_new_tokens=tokens, do_sample=False, pad_token_id=0)[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 def test_a_server_serves_its_adapters_by_model_name(tiny_smol, tmp_path):
     """`ringllm serve --lora-paths`: /v1/models lists each adapter with the base as its parent; a request names one as
     its model (vLLM) or in lora_path (SGLang), streamed or not, and gets the tokens of peft's merged model; an unknown
@@ -247,6 +248,7 @@ def test_a_server_serves_its_adapters_by_model_name(tiny_smol, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_adapters_load_and_unload_on_a_running_server_and_outlive_an_engine(tiny_smol, tmp_path):
     """POST /load_lora_adapter (and vLLM's /v1/ spelling) loads on every engine, and a name loaded again serves its
     new weights; a SIGKILLed engine's replacement serves what was loaded at run time; /unload_lora_adapter ends it;
@@ -293,6 +295,7 @@ def test_adapters_load_and_unload_on_a_running_server_and_outlive_an_engine(tiny
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_server_loads_an_adapter_on_every_rank(tiny_smol, tmp_path):
     """--tp 2: the load reaches both ranks, which answer together through rank 0; each serves its shard."""
     adapter = make_adapter(tiny_smol, tmp_path / "all", *ADAPTERS["all"], 0)

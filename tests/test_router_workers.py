@@ -22,6 +22,7 @@ from tests.conftest import ROOT, Server, free_port, launch, wait_for
 from transport.segment import remove_segments, server_prefix
 
 pytest.importorskip("sglang_router")
+pytestmark = pytest.mark.slow  # three servers and a router
 
 WORKERS = 3
 

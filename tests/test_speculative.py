@@ -225,6 +225,7 @@ TEXT = "The quick brown fox jumps over the lazy dog near the river bank, while t
 REPEAT = [{"role": "user", "content": "Repeat this text exactly, word for word:\n\n" + TEXT}]
 
 
+@pytest.mark.slow
 def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smollm2, smol_server, tmp_path):
     """SmolLM2 asked to repeat a text, behind the real pipeline: the same answers as the plain session server
     (greedy, streamed with log-probabilities, and n=2 seeded), several tokens a verify step, in /metrics."""
@@ -258,6 +259,7 @@ def test_a_server_speculates_through_the_pipeline_and_answers_as_a_plain_one(smo
         server.stop()
 
 
+@pytest.mark.slow
 def test_a_server_drafts_with_a_draft_model_in_its_engine(tiny_smol, tmp_path):
     """STANDALONE behind the real pipeline (the draft model runs inside the engine actor): the tokens of
     plain decoding offline, and whole drafts kept (the draft is the target)."""
@@ -284,6 +286,7 @@ def test_a_server_drafts_with_a_draft_model_in_its_engine(tiny_smol, tmp_path):
         server.stop()
 
 
+@pytest.mark.slow
 def test_two_ranks_speculate_as_one(looping):
     """A tensor-parallel follower reads its steps late; a verify step's kept length must reach it before its
     next plan does, or its ranks would attend over other lengths than rank 0's."""

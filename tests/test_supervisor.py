@@ -263,6 +263,7 @@ def forkservers(sup: RunningSupervisor) -> list[int]:
     return [event["pid"] for event in log_events(sup.log.read_bytes(), "forkserver_started")]
 
 
+@pytest.mark.slow
 def test_a_dead_forkserver_takes_no_actor_with_it(start_supervisor, server):
     """Actors are the supervisor's children, not the forkserver's: a forkserver killed while frames flow
     restarts no actor (the same pids, epoch 1, the stream going on unbroken). Another forkserver starts at
