@@ -189,19 +189,35 @@ class Forkserver:
 # -- in the forkserver ------------------------------------------------------------------------------
 
 
+def preload_without_cuda(preload: list[str]) -> None:
+    """Import the preloads. An import that asks torch.cuda.is_available() (transformers does where flash-attn is
+    installed) would start the CUDA driver here and every forked engine would fail to use it: while they import,
+    torch asks NVML instead."""
+    held = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        for module in preload:
+            try:
+                __import__(module)
+            except ModuleNotFoundError as exc:
+                if exc.name != module:  # not a preload this version of a library lacks, but one that is broken
+                    traceback.print_exc()
+            except Exception:  # the actor that needs it meets the error again, and reports it as its own
+                traceback.print_exc()
+    finally:
+        if held is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = held
+
+
 def main(fd: int, supervisor: int, preload: list[str]) -> None:
     """The forkserver: fork an actor per request on the socket `fd`, until the supervisor closes it."""
     on_parent_death()
     if os.getppid() != supervisor:  # it died before the signal was armed
         os._exit(1)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the supervisor stops us
-    for module in preload:
-        try:
-            __import__(module)
-        except ModuleNotFoundError:  # a preload this version of a library does not have
-            pass
-        except Exception:  # the actor that needs it meets the error again, and reports it as its own
-            traceback.print_exc()
+    preload_without_cuda(preload)
     freeze_startup_heap()  # each actor's own freeze then collects only what it made after the fork
     with socket.socket(fileno=fd) as sock:
         while True:

@@ -287,3 +287,19 @@ def test_a_dead_forkserver_takes_no_actor_with_it(start_supervisor, server):
     wait_for(lambda: accepted_in(sink_report(server), 2) > 50, 20, "frames of epoch 2")
     assert sink_report(server)["errors"] == []
     assert [e["exitcode"] for e in log_events(sup.log.read_bytes(), "forkserver_exited")] == [-signal.SIGKILL]
+
+
+def test_preloads_a_library_lacks_pass_quietly_and_broken_ones_say_why(tmp_path, monkeypatch, capsys):
+    """A preload this version of a library does not have is skipped without a word; one that exists but cannot
+    import names what it lacks. torch is told to ask NVML, not the CUDA driver, only while they import."""
+    from actors.forkserver import preload_without_cuda
+
+    (tmp_path / "seeing_preload.py").write_text("import os\nSEEN = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n")
+    (tmp_path / "broken_preload.py").write_text("import no_such_dependency\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+    preload_without_cuda(["json.no_such_module", "seeing_preload"])
+    assert capsys.readouterr().err == ""
+    assert sys.modules.pop("seeing_preload").SEEN == "1" and "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    preload_without_cuda(["broken_preload"])
+    assert "No module named 'no_such_dependency'" in capsys.readouterr().err
