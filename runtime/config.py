@@ -447,6 +447,8 @@ def generation_defaults(given: Mapping[str, Any] | Iterable[tuple[str, Any]]) ->
         raise ValueError(f"override_generation_config takes {', '.join(GENERATION_DEFAULTS)} (or max_new_tokens), not {unknown}")
     if any(isinstance(value, bool) or not isinstance(value, int | float) for value in named.values()):
         raise ValueError(f"override_generation_config's values are numbers, not {named}")
+    if fractional := sorted(name for name in ("max_tokens", "top_k") if isinstance(named.get(name), float)):
+        raise ValueError(f"override_generation_config's {' and '.join(fractional)} are whole numbers, not {named}")
     try:
         SamplingParams(**named)
     except ValueError as exc:

@@ -375,6 +375,8 @@ def test_a_servers_default_max_tokens_is_capped_by_the_context_not_refused():
     assert asked.params.max_tokens == 10
     with pytest.raises(ApiError, match="maximum context length is 100 tokens"):
         parse({"prompt": list(range(90)), "max_tokens": 11}, False, "m", limits)
+    with pytest.raises(ValueError, match="max_tokens are whole numbers"):  # a fractional ceiling is no count of tokens
+        EngineConfig(override_generation_config={"max_tokens": 40.5})
 
 
 def test_float32_on_cuda_runs_torch_attention_or_is_refused():
