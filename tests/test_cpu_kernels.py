@@ -54,7 +54,8 @@ def test_a_build_killed_midway_does_not_block_later_loads():
         with builds_held(folder):
             assert not baton.exists()
     finally:
-        baton.unlink(missing_ok=True)
+        with builds_held(folder):
+            baton.unlink(missing_ok=True)
 
 
 @contextmanager
