@@ -368,8 +368,10 @@ def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprob
     if chat or max_tokens is not None:  # left out: the rest of the context for chat, SamplingParams' default for completions
         given["max_tokens"] = max_tokens
     for name, value in limits.sampling_defaults:  # the server's defaults, where the request gives none
-        if given.get(name) is None:  # but max_tokens: the rest of the context, which the scheduler caps at the default
-            given[name] = None if name == "max_tokens" else value
+        if name == "max_tokens":  # vLLM's: a ceiling on every request; one that gives none draws the rest of the
+            given[name] = None if given.get(name) is None else min(given[name], value)  # context within it (the scheduler)
+        elif given.get(name) is None:
+            given[name] = value
     stop_ids = _get(body, "stop_token_ids", (list,), default=[])
     if len(stop_ids) > MAX_STOP_TOKEN_IDS or not _is_id_list(stop_ids, limits.vocab_size):
         raise ApiError(

@@ -585,7 +585,8 @@ class EngineConfig(CliConfig):
         default=(),
         metadata=flag(
             "vLLM's: a JSON object of sampling defaults for the fields a request leaves out, of "
-            f'{", ".join(GENERATION_DEFAULTS)} (or max_new_tokens), e.g. \'{{"temperature": 0.5, "top_p": 0.9}}\'',
+            f"{', '.join(GENERATION_DEFAULTS)} (or max_new_tokens; it caps every request), e.g. "
+            '\'{"temperature": 0.5, "top_p": 0.9}\'',
             metavar="JSON",
             parse=_json_object,
             show=lambda pairs: json.dumps(dict(pairs)),

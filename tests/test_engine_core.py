@@ -356,8 +356,9 @@ def test_a_plan_carries_a_bounded_history_however_many_slots_it_could_open(monke
 
 
 def test_a_servers_default_max_tokens_is_capped_by_the_context_not_refused():
-    """--override-generation-config's max_tokens is what a request that leaves max_tokens out draws at most,
-    within what its prompt leaves of the context (vLLM's rule), and never a 400 about a field it did not send."""
+    """--override-generation-config's max_tokens is a ceiling on every request (vLLM's rule); one that leaves
+    max_tokens out draws within it what its prompt leaves of the context, and never gets a 400 about a field it
+    did not send."""
     from api.protocol import Limits, parse
     from runtime.config import EngineConfig
     from runtime.scheduler.scheduler import Scheduler
@@ -373,6 +374,7 @@ def test_a_servers_default_max_tokens_is_capped_by_the_context_not_refused():
             assert scheduler.add(len(scheduler.waiting), prompt, params).params.max_tokens == drawn
     asked = parse({"prompt": list(range(90)), "max_tokens": 10}, False, "m", limits)  # the client's own is still checked
     assert asked.params.max_tokens == 10
+    assert parse({"prompt": [1], "max_tokens": 60}, False, "m", limits).params.max_tokens == 40  # and held to the ceiling
     with pytest.raises(ApiError, match="maximum context length is 100 tokens"):
         parse({"prompt": list(range(90)), "max_tokens": 11}, False, "m", limits)
     with pytest.raises(ValueError, match="max_tokens are whole numbers"):  # a fractional ceiling is no count of tokens
