@@ -367,9 +367,11 @@ def _sampling(body: dict, chat: bool, limits: Limits, echo: bool, prompt_logprob
         max_tokens, sent_as["max_tokens"] = newer, "max_completion_tokens"  # OpenAI's newer name wins
     if chat or max_tokens is not None:  # left out: the rest of the context for chat, SamplingParams' default for completions
         given["max_tokens"] = max_tokens
-    for name, value in limits.sampling_defaults:  # the server's defaults, where the request gives none
-        if name == "max_tokens":  # vLLM's: a ceiling on every request; one that gives none draws the rest of the
-            given[name] = None if given.get(name) is None else min(given[name], value)  # context within it (the scheduler)
+    # the server's defaults, where the request gives none; but max_tokens, as vLLM's, caps every request, and one that
+    # gives none draws the rest of the context within it (the scheduler fills that in)
+    for name, value in limits.sampling_defaults:
+        if name == "max_tokens":
+            given[name] = None if given.get(name) is None else min(given[name], value)
         elif given.get(name) is None:
             given[name] = value
     stop_ids = _get(body, "stop_token_ids", (list,), default=[])

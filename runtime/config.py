@@ -785,7 +785,8 @@ class EngineConfig(CliConfig):
 
     @property
     def default_max_tokens(self) -> int | None:
-        """--override-generation-config's max_tokens: the most a request that leaves max_tokens out draws."""
+        """--override-generation-config's max_tokens: the most any request draws (the api caps one that gives
+        max_tokens, the scheduler one that leaves it out)."""
         return dict(self.override_generation_config).get("max_tokens")
 
     def pages_for(self, tokens: int) -> int:

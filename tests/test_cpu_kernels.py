@@ -4,13 +4,9 @@ parity with transformers (test_parity.py) runs through them too, wherever they b
 
 from __future__ import annotations
 
-import fcntl
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +36,7 @@ def test_a_build_killed_midway_does_not_block_later_loads():
     assert cpu_kernels.available()
     folder = cpu_kernels.build_directory()
     baton = folder / "lock"
-    with builds_held(folder):  # engines in other test workers load the kernels too, and torch's baton is theirs then
+    with cpu_kernels.build_lock(folder):  # engines in other test workers load the kernels too, and torch's baton is theirs then
         baton.touch()
     try:
         loaded = subprocess.run(
@@ -51,19 +47,11 @@ def test_a_build_killed_midway_does_not_block_later_loads():
             timeout=120,
         )
         assert loaded.stdout.strip() == "True", loaded.stderr
-        with builds_held(folder):
+        with cpu_kernels.build_lock(folder):
             assert not baton.exists()
     finally:
-        with builds_held(folder):
+        with cpu_kernels.build_lock(folder):
             baton.unlink(missing_ok=True)
-
-
-@contextmanager
-def builds_held(folder: Path) -> Iterator[None]:
-    """No other process is inside torch's load of the kernels while this is held."""
-    with open(folder / "build.flock", "w") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        yield
 
 
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17])

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -36,6 +38,15 @@ def build_directory() -> Path:
     return folder
 
 
+@contextmanager
+def build_lock(folder: Path) -> Iterator[None]:
+    """Held by the one process inside torch's load of the kernels: one builds, the others wait. torch's own baton
+    (a file named "lock") outlives a build killed midway; a flock does not."""
+    with open(folder / "build.flock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        yield
+
+
 @cache
 def available() -> bool:
     if not env.cpu_kernels():
@@ -46,9 +57,7 @@ def available() -> bool:
         from torch.utils.cpp_extension import load
 
         folder = build_directory()
-        # one process builds, others wait; torch's "lock" outlives a killed build, a flock does not
-        with open(folder / "build.flock", "w") as held:
-            fcntl.flock(held, fcntl.LOCK_EX)
+        with build_lock(folder):
             (folder / "lock").unlink(missing_ok=True)
             load(name="ringllm_cpu_kernels", sources=[str(SOURCE)], extra_cflags=FLAGS, is_python_module=False, build_directory=str(folder))
     except Exception as exc:  # no compiler, no ninja, a torch without headers: the torch path still works
